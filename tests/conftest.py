@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny real transformers models built offline, with SmolLM2's real tokenizer."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir():
+    from trl_es.models import smollm2_tokenizer_dir
+
+    return smollm2_tokenizer_dir()
+
+
+def build_tiny_model(path, tokenizer_dir, dtype=torch.float32, seed=0):
+    """A 2-layer Llama with SmolLM2's vocabulary (≈0.8M parameters), saved with the tokenizer as a model dir."""
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(dtype)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer_dir):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", tokenizer_dir)
+
+
+@pytest.fixture
+def prompt_dataset():
+    prompts = [f"Count to {n}:" for n in range(1, 9)]
+    return Dataset.from_dict({"prompt": prompts, "target": [str(n) for n in range(1, 9)]})

@@ -1,0 +1,21 @@
+"""trl-es: Evolution Strategies post-training for LLMs, as a TRL extension.
+
+`from trl_es import ESConfig, ESTrainer`. The trainer is imported lazily so that `trl_es.es` (the algorithm on
+plain tensors) imports without transformers.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["ESConfig", "ESTrainer"]
+
+
+def __getattr__(name):
+    if name == "ESConfig":
+        from .config import ESConfig
+
+        return ESConfig
+    if name == "ESTrainer":
+        from .trainer import ESTrainer
+
+        return ESTrainer
+    raise AttributeError(f"module 'trl_es' has no attribute {name!r}")

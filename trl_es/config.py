@@ -1,0 +1,205 @@
+"""ESConfig: TrainingArguments plus the ES knobs, in the style of TRL's GRPOConfig."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+
+from .es.fitness import SHAPINGS
+from .es.noise import CHUNK
+
+BASELINES = ("none", "center")
+
+
+@dataclass
+class ESConfig(TrainingArguments):
+    r"""
+    Configuration for [`ESTrainer`]: Evolution Strategies post-training (DESIGN.md §2).
+
+    One ES step takes `per_device_train_batch_size` prompts, evaluates `population_size` members
+    θ_i = θ + σ·ε_i on them (`num_generations` completions per prompt each), scores them with the reward functions,
+    and applies θ ← θ + α·(1/N)·Σ_i z_i·ε_i with α = `learning_rate` (following the lr scheduler, constant by default).
+
+    Fields of [`~transformers.TrainingArguments`] that only make sense with gradients are refused
+    (`gradient_accumulation_steps` > 1) or ignored with a warning (`max_grad_norm`, `optim`, `gradient_checkpointing`).
+
+    Defaults that differ from TrainingArguments: `learning_rate=5e-4`, `lr_scheduler_type="constant"`,
+    `logging_steps=1`, `max_grad_norm=0`, `remove_unused_columns=False`.
+    """
+
+    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
+        "model_init_kwargs",
+        "generation_kwargs",
+        "chat_template_kwargs",
+    ]
+
+    # ES
+    population_size: int = field(
+        default=30,
+        metadata={"help": "Number of perturbed members N evaluated per ES step (Qiu et al. 2025 use 30)."},
+    )
+    sigma: float = field(
+        default=1e-3,
+        metadata={"help": "Noise scale σ: member i evaluates θ + σ·ε_i."},
+    )
+    learning_rate: float = field(
+        default=5e-4,
+        metadata={"help": "Step size α of the ES update θ ← θ + α·(1/N)·Σ z_i ε_i (α absorbs the 1/σ)."},
+    )
+    antithetic: bool = field(
+        default=False,
+        metadata={"help": "Mirrored sampling: members come in pairs (+ε, −ε). Needs an even `population_size`."},
+    )
+    fitness_shaping: str = field(
+        default="zscore",
+        metadata={
+            "help": "How rewards become update weights z_i: 'zscore' ((R−mean)/std), 'centered_rank' (ranks in "
+            "[−0.5, 0.5]) or 'none' (raw R, minus the baseline).",
+            "choices": list(SHAPINGS),
+        },
+    )
+    es_baseline: str = field(
+        default="none",
+        metadata={
+            "help": "'center' also evaluates the unperturbed θ each step, logs it as `es/center_reward` and subtracts "
+            "it from every R_i (this changes the update only with fitness_shaping='none'). 'none' does neither.",
+            "choices": list(BASELINES),
+        },
+    )
+    common_generation_seed: bool = field(
+        default=True,
+        metadata={
+            "help": "Sample every member's completions with the same seed (common random numbers: lowers the "
+            "variance of R_i − R_j). False gives each member its own sampling seed."
+        },
+    )
+    es_parameter_patterns: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Regular expressions (re.search) over parameter names: only matching trainable parameters are "
+            "perturbed and updated. Default: every trainable parameter."
+        },
+    )
+    noise_table_size: int = field(
+        default=1 << 25,
+        metadata={
+            "help": "Number of float32 N(0,1) values in the shared noise table (Salimans et al. 2017) from which "
+            f"every member's noise is cut, in windows of {CHUNK} elements. 2**25 costs 128 MiB."
+        },
+    )
+
+    # Model
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained`, used when `model` is a string "
+            "(also for reward models given as ids)."
+        },
+    )
+
+    # Generation
+    num_generations: int = field(
+        default=1,
+        metadata={"help": "Completions sampled per prompt for each member. R_i averages over all of them."},
+    )
+    max_completion_length: int = field(
+        default=256,
+        metadata={"help": "Maximum number of tokens generated per completion."},
+    )
+    temperature: float = field(
+        default=1.0, metadata={"help": "Sampling temperature (greedy: generation_kwargs={'do_sample': False})."}
+    )
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: cumulative probability kept."})
+    top_k: int = field(default=0, metadata={"help": "Keep only the k most likely tokens; 0 disables it."})
+    min_p: float | None = field(default=None, metadata={"help": "Minimum token probability, scaled by the top one."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "Penalty for repeated tokens; 1.0 is none."})
+    generation_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Extra `GenerationConfig` arguments; they override the fields above."},
+    )
+    chat_template_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={"help": "Extra arguments for `apply_chat_template` on conversational prompts."},
+    )
+
+    # Rewards
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "Weight of each reward function in the per-completion reward (default: all 1.0)."},
+    )
+
+    # Logging
+    log_completions: bool = field(
+        default=False,
+        metadata={"help": "Print a table of the first member's prompts, completions and rewards at each logging step."},
+    )
+    num_completions_to_print: int | None = field(
+        default=None, metadata={"help": "Rows of that table (all when None)."}
+    )
+
+    # TrainingArguments defaults that differ for ES
+    lr_scheduler_type: str = field(
+        default="constant", metadata={"help": "Schedule of α; ES commonly keeps it constant."}
+    )
+    logging_steps: float = field(default=1, metadata={"help": "Log every X ES steps."})
+    max_grad_norm: float = field(default=0.0, metadata={"help": "Unused by ES (there are no gradients)."})
+    remove_unused_columns: bool | None = field(
+        default=False,
+        metadata={"help": "Keep extra dataset columns: reward functions receive them as keyword arguments."},
+    )
+
+    def __post_init__(self):
+        self._check_es_fields()
+        super().__post_init__()
+
+    def _check_es_fields(self):
+        def refuse(name, why):
+            raise ValueError(f"ESConfig.{name}={getattr(self, name)!r} is invalid: {why}")
+
+        if not isinstance(self.population_size, int) or self.population_size < 2:
+            refuse("population_size", "ES needs at least 2 members to compare")
+        if self.antithetic and self.population_size % 2:
+            refuse("population_size", "antithetic sampling pairs members (+ε, −ε), so it must be even")
+        if not (isinstance(self.sigma, (int, float)) and math.isfinite(self.sigma) and self.sigma > 0):
+            refuse("sigma", "the noise scale must be a finite number > 0")
+        if not (math.isfinite(self.learning_rate) and self.learning_rate >= 0):
+            refuse("learning_rate", "the ES step size must be a finite number ≥ 0")
+        if self.fitness_shaping not in SHAPINGS:
+            refuse("fitness_shaping", f"choose one of {SHAPINGS}")
+        if self.es_baseline not in BASELINES:
+            refuse("es_baseline", f"choose one of {BASELINES}")
+        if self.noise_table_size < CHUNK:
+            refuse("noise_table_size", f"it must hold at least one noise window ({CHUNK} values)")
+        if self.num_generations < 1:
+            refuse("num_generations", "each member needs at least one completion per prompt")
+        if self.max_completion_length is None or self.max_completion_length < 1:
+            refuse("max_completion_length", "generate at least one token")
+        if not self.temperature > 0:
+            refuse("temperature", "must be > 0 (for greedy decoding pass generation_kwargs={'do_sample': False})")
+        if not 0 < self.top_p <= 1:
+            refuse("top_p", "must be in (0, 1]")
+        if self.weight_decay < 0:
+            refuse("weight_decay", "must be ≥ 0")
+        if self.reward_weights is not None and not all(math.isfinite(w) for w in self.reward_weights):
+            refuse("reward_weights", "every weight must be a finite number")
+        if self.gradient_accumulation_steps != 1:
+            refuse(
+                "gradient_accumulation_steps",
+                "ES has no gradients to accumulate; use per_device_train_batch_size for more prompts per step",
+            )
+        if self.max_grad_norm:
+            warnings.warn("ESConfig.max_grad_norm is ignored: ES computes no gradients to clip.", stacklevel=3)
+            self.max_grad_norm = 0.0
+        if self.gradient_checkpointing:
+            warnings.warn("ESConfig.gradient_checkpointing is ignored: ES runs no backward pass.", stacklevel=3)
+            self.gradient_checkpointing = False
+        if str(self.optim) not in ("adamw_torch", "adamw_torch_fused"):
+            warnings.warn(
+                f"ESConfig.optim={self.optim!r} is ignored: ES keeps no optimizer state; the update is the ES "
+                "estimate scaled by learning_rate.",
+                stacklevel=3,
+            )

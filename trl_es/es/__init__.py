@@ -1,0 +1,17 @@
+"""The ES algorithm on plain tensors (DESIGN.md §2). Imports torch only, never transformers."""
+
+from .fitness import shape_fitness
+from .noise import NoiseTable, member_noise, member_seed
+from .params import ParameterSnapshot, select_parameters
+from .update import apply_update, update_coefficients
+
+__all__ = [
+    "NoiseTable",
+    "ParameterSnapshot",
+    "apply_update",
+    "member_noise",
+    "member_seed",
+    "select_parameters",
+    "shape_fitness",
+    "update_coefficients",
+]

@@ -1,0 +1,54 @@
+"""The ES update θ ← θ + α·(1/N)·Σ_i z_i ε_i (Qiu et al. 2025 convention, DESIGN §2.5)."""
+
+from __future__ import annotations
+
+import torch
+
+from .noise import CHUNK, NoiseTable, member_noise
+from .params import ParameterSnapshot
+
+
+def update_coefficients(
+    fitness: torch.Tensor, directions: list[tuple[int, int]], learning_rate: float, n_members: int
+) -> dict[int, float]:
+    """c_s = α/N · Σ_{i: seed_i = s} sign_i·z_i, one coefficient per noise seed, with N = `n_members`.
+
+    `directions[i] = (seed_i, sign_i)` is member i's noise ±ε(seed_i); antithetic pairs share a seed, so their
+    two terms merge into one and the noise is regenerated once per pair.
+    """
+    coefficients: dict[int, float] = {}
+    for z, (seed, sign) in zip(fitness.tolist(), directions, strict=True):
+        coefficients[seed] = coefficients.get(seed, 0.0) + learning_rate * sign * z / n_members
+    return coefficients
+
+
+@torch.no_grad()
+def apply_update(
+    snapshot: ParameterSnapshot,
+    table: NoiseTable,
+    coefficients: dict[int, float],
+    decay: float = 0.0,
+) -> float:
+    """Write θ + Σ_s c_s ε(s) − decay·θ into the model's parameters, with θ read from `snapshot`.
+
+    The sum is accumulated in float32 one noise window at a time and cast to the parameter dtype once.
+    The snapshot is left untouched, so an interrupted update can still be undone with `snapshot.restore()`.
+    Returns ‖Δθ‖₂ of the float32 update.
+    """
+    seeds, coeffs = list(coefficients), list(coefficients.values())
+    squared_norm = 0.0
+    buffers: dict[torch.device, torch.Tensor] = {}
+    for name, p in snapshot.params.items():
+        flat, base = p.data.view(-1), snapshot.copies[name].view(-1)
+        windows = [list(member_noise(table, seed, name, flat.numel())) for seed in seeds]
+        buffer = buffers.setdefault(flat.device, torch.empty(CHUNK, dtype=torch.float32, device=flat.device))
+        for k, (a, b, _) in enumerate(windows[0]):
+            delta = buffer[: b - a].zero_()
+            for coeff, member_windows in zip(coeffs, windows):
+                delta.add_(member_windows[k][2], alpha=coeff)
+            theta = base[a:b].to(flat.device)
+            if decay:
+                delta.add_(theta, alpha=-decay)
+            squared_norm += float(delta.square().sum())
+            torch.add(theta, delta, out=flat[a:b])
+    return squared_norm**0.5

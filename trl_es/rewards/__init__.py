@@ -1,0 +1,5 @@
+"""TRL-compatible reward functions and the contract by which ESTrainer calls them."""
+
+from .contract import RewardFunctions
+
+__all__ = ["RewardFunctions"]

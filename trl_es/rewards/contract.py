@@ -1,0 +1,181 @@
+"""The reward contract of TRL's GRPOTrainer, for ESTrainer.
+
+Reward functions come in GRPOTrainer's forms, with the same meaning:
+- a callable `f(prompts, completions, completion_ids, **kwargs) -> list[float | None]` (sync or async), which also
+  receives every extra dataset column (one value per completion), `trainer_state`, `log_metric` and `log_extra`;
+- a sequence-classification reward model, or its id/path (loaded with `num_labels=1`), scoring prompt + completion
+  as text with its own tokenizer (`reward_processing_classes`).
+`None` becomes NaN. A completion's reward is the weighted sum of its non-NaN function rewards (NaN when all are NaN).
+
+TRL's helpers (`get_callable_name`, `is_async_callable`, `apply_chat_template`, the daemon event loop) are reused;
+GRPOTrainer's `_calculate_rewards` itself is a method bound to GRPOTrainer's state, so the calling loop lives here,
+with stricter checks: a wrong length or a non-number names the function.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+from trl.data_utils import apply_chat_template, is_conversational
+from trl.trainer.utils import (
+    get_callable_name,
+    get_config_model_id,
+    is_async_callable,
+    shutdown_event_loop_in_daemon,
+    start_event_loop_in_daemon,
+)
+
+RewardFunc = str | PreTrainedModel | Callable[..., list[float | None]]
+
+
+def _as_reward(value: Any, func_name: str, index: int) -> float:
+    """A returned reward as a float: None → NaN; anything that is not a real number is an error naming the function."""
+    if value is None:
+        return math.nan
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, numbers.Real):  # includes bool and numpy scalars
+        return float(value)
+    raise TypeError(
+        f"The reward function '{func_name}' returned {value!r} (type {type(value).__name__}) at position {index}; "
+        "each reward must be a real number or None."
+    )
+
+
+class RewardFunctions:
+    """Loads reward functions as GRPOTrainer does and scores completions with them."""
+
+    def __init__(
+        self,
+        reward_funcs: RewardFunc | list[RewardFunc] | None,
+        reward_weights: list[float] | None = None,
+        reward_processing_classes=None,
+        model_init_kwargs: dict | None = None,
+        trust_remote_code: bool = False,
+        chat_template_kwargs: dict | None = None,
+    ):
+        if reward_funcs is None:
+            raise ValueError("ESTrainer needs at least one reward function (`reward_funcs`): ES learns from rewards only")
+        funcs = list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs]
+        if not funcs:
+            raise ValueError("`reward_funcs` is empty: ES learns from rewards only")
+        kwargs = {"trust_remote_code": trust_remote_code, **(model_init_kwargs or {})}
+        for i, func in enumerate(funcs):
+            if isinstance(func, str):
+                funcs[i] = AutoModelForSequenceClassification.from_pretrained(func, num_labels=1, **kwargs)
+            elif not (isinstance(funcs[i], nn.Module) or callable(funcs[i])):
+                raise TypeError(f"reward_funcs[{i}] is a {type(func).__name__}: expected a callable, a model or an id")
+        self.funcs = funcs
+        self.names = [
+            get_config_model_id(f.config).split("/")[-1] if isinstance(f, nn.Module) else get_callable_name(f)
+            for f in funcs
+        ]
+
+        if reward_weights is not None and len(reward_weights) != len(funcs):
+            raise ValueError(
+                f"Number of reward weights ({len(reward_weights)}) must match number of reward functions ({len(funcs)})"
+            )
+        self.weights = torch.tensor(reward_weights or [1.0] * len(funcs), dtype=torch.float32)
+
+        if reward_processing_classes is None:
+            reward_processing_classes = [None] * len(funcs)
+        elif not isinstance(reward_processing_classes, list):
+            reward_processing_classes = [reward_processing_classes]
+        if len(reward_processing_classes) != len(funcs):
+            raise ValueError(
+                f"The number of reward processing classes ({len(reward_processing_classes)}) must match the number "
+                f"of reward functions ({len(funcs)})."
+            )
+        for i, func in enumerate(funcs):
+            if isinstance(func, PreTrainedModel):
+                if reward_processing_classes[i] is None:
+                    reward_processing_classes[i] = AutoTokenizer.from_pretrained(
+                        get_config_model_id(func.config), trust_remote_code=trust_remote_code
+                    )
+                tokenizer = reward_processing_classes[i]
+                if tokenizer.pad_token_id is None:
+                    tokenizer.pad_token = tokenizer.eos_token
+                func.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+                func.eval()
+        self.processing_classes = reward_processing_classes
+        self.chat_template_kwargs = chat_template_kwargs or {}
+
+        self._loop = None
+        if any(not isinstance(f, nn.Module) and is_async_callable(f) for f in funcs):
+            self._thread, self._loop, ready = start_event_loop_in_daemon(name="ESTrainer-reward-loop")
+            ready.wait()
+            atexit.register(shutdown_event_loop_in_daemon, self._thread, self._loop)
+
+    def to(self, device: torch.device) -> RewardFunctions:
+        for f in self.funcs:
+            if isinstance(f, nn.Module):
+                f.to(device)
+        return self
+
+    def _check(self, output: Any, name: str, expected: int) -> list[float]:
+        if isinstance(output, (str, bytes)) or not hasattr(output, "__len__"):
+            raise TypeError(f"The reward function '{name}' returned a {type(output).__name__}; expected a list of rewards")
+        if len(output) != expected:
+            raise ValueError(
+                f"The reward function '{name}' returned {len(output)} rewards, but {expected} were expected "
+                "(one per prompt-completion pair)."
+            )
+        return [_as_reward(v, name, i) for i, v in enumerate(output)]
+
+    def _model_rewards(self, model, tokenizer, prompts, completions) -> list[float]:
+        if is_conversational({"prompt": prompts[0]}):
+            texts = [
+                apply_chat_template({"messages": p + c}, tokenizer, **self.chat_template_kwargs)["text"]
+                for p, c in zip(prompts, completions, strict=True)
+            ]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+        inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        device = next(model.parameters()).device
+        with torch.inference_mode():
+            return model(**inputs.to(device)).logits[:, 0].float().tolist()
+
+    def __call__(
+        self, rows: list[dict], prompts: list, completions: list, completion_ids: list[list[int]], **context
+    ) -> torch.Tensor:
+        """Rewards, shape (len(prompts), number of functions), NaN where a function returned None.
+
+        `rows[k]` is the dataset row of completion k; its columns other than "prompt" and "completion" are passed
+        as keyword lists. `context` carries `trainer_state`, `log_metric`, `log_extra`.
+        """
+        keys = [key for key in rows[0] if key not in ("prompt", "completion", "completion_ids")]
+        kwargs = {key: [row[key] for row in rows] for key in keys}
+        kwargs.update(context)
+        rewards = torch.full((len(prompts), len(self.funcs)), math.nan)
+        pending = []
+        for i, (func, name) in enumerate(zip(self.funcs, self.names, strict=True)):
+            if isinstance(func, nn.Module):
+                rewards[:, i] = torch.tensor(self._model_rewards(func, self.processing_classes[i], prompts, completions))
+            elif is_async_callable(func):
+                pending.append((i, func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)))
+            else:
+                output = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+                rewards[:, i] = torch.tensor(self._check(output, name, len(prompts)))
+        if pending:
+
+            async def gather():
+                return await asyncio.gather(*(coro for _, coro in pending))
+
+            outputs = asyncio.run_coroutine_threadsafe(gather(), self._loop).result()
+            for (i, _), output in zip(pending, outputs, strict=True):
+                rewards[:, i] = torch.tensor(self._check(output, self.names[i], len(prompts)))
+        return rewards
+
+    def combine(self, rewards: torch.Tensor) -> torch.Tensor:
+        """Per-completion reward: Σ_f w_f·r_f over the non-NaN r_f; NaN when every function returned None."""
+        weighted = (rewards * self.weights.unsqueeze(0)).nansum(dim=1)
+        weighted[torch.isnan(rewards).all(dim=1)] = math.nan
+        return weighted

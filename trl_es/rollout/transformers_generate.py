@@ -1,0 +1,80 @@
+"""The default generation backend: transformers' `generate` on the trainer's own model (CPU or GPU)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from trl.data_utils import is_conversational
+
+
+@dataclass
+class Rollout:
+    """Completions for `prompts` repeated `num_generations` times each (prompt-major order)."""
+
+    prompts: list
+    completions: list
+    completion_ids: list[list[int]]
+    truncated: list[bool]
+
+
+class TransformersRollout:
+    """Tokenizes prompts as GRPOTrainer does (chat template for conversational prompts, plain text otherwise),
+    generates in one left-padded batch, and cuts each completion after its first EOS."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        generation_config: GenerationConfig,
+        eos_token_ids: list[int],
+        chat_template_kwargs: dict | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.generation_config = generation_config
+        self.eos_token_ids = eos_token_ids
+        self.chat_template_kwargs = chat_template_kwargs or {}
+
+    def tokenize(self, prompts: list) -> list[list[int]]:
+        if is_conversational({"prompt": prompts[0]}):
+            return self.tokenizer.apply_chat_template(
+                conversation=prompts, add_generation_prompt=True, tokenize=True, return_dict=True,
+                **self.chat_template_kwargs,
+            )["input_ids"]
+        return self.tokenizer(text=prompts)["input_ids"]
+
+    @torch.no_grad()
+    def generate(self, prompts: list, prompt_ids: list[list[int]], num_generations: int, seed: int) -> Rollout:
+        """Sample with the torch RNG seeded by `seed` (forked, so the caller's RNG state is untouched)."""
+        repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
+        width = max(map(len, repeated))
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in repeated])
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in repeated])
+        device = self.model.device
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(seed)
+                output = self.model.generate(
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention_mask.to(device),
+                    generation_config=self.generation_config,
+                )
+        finally:
+            self.model.train(was_training)
+        completion_ids, truncated = [], []
+        for row in output[:, width:].tolist():
+            end = next((k for k, token in enumerate(row) if token in self.eos_token_ids), None)
+            completion_ids.append(row if end is None else row[: end + 1])
+            truncated.append(end is None)
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        repeated_prompts = [p for p in prompts for _ in range(num_generations)]
+        if is_conversational({"prompt": prompts[0]}):
+            completions = [[{"role": "assistant", "content": text}] for text in texts]
+        else:
+            completions = texts
+        return Rollout(repeated_prompts, completions, completion_ids, truncated)

@@ -1,0 +1,373 @@
+"""ESTrainer: Evolution Strategies post-training with GRPOTrainer's contracts (orchestration only).
+
+The step loop is `_es_step`: capture θ, evaluate each member θ + σ·ε_i (perturb → generate → reward), shape the
+population rewards, write the update. The algorithm lives in `trl_es.es`, generation in `trl_es.rollout`,
+the reward contract in `trl_es.rewards`. transformers' Trainer supplies data, logging, callbacks, checkpoints and
+the Hub; its optimizer is a placeholder that only carries the learning-rate schedule (α_t).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections import defaultdict
+
+import torch
+from datasets import Dataset, IterableDataset
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging
+from trl.trainer.base_trainer import _BaseTrainer
+from trl.trainer.utils import (
+    create_model_from_path,
+    disable_dropout_in_model,
+    get_config_model_id,
+    identity,
+    print_prompt_completions_sample,
+)
+
+from .config import ESConfig
+from .es import NoiseTable, ParameterSnapshot, apply_update, member_seed, select_parameters, shape_fitness
+from .es.noise import _hash64
+from .es.update import update_coefficients
+from .rewards import RewardFunctions
+from .rollout import TransformersRollout
+
+logger = logging.get_logger(__name__)
+
+DISTANCE_SAMPLE = 1 << 20
+"""Elements of θ₀ kept to estimate ‖θ − θ₀‖/‖θ₀‖ (every k-th element; exact for smaller models)."""
+
+
+class ESTrainer(_BaseTrainer):
+    """Evolution Strategies trainer taking GRPOTrainer's arguments (model, reward_funcs, datasets, processing
+    classes, callbacks) with the same meaning. See `ESConfig` for the algorithm's knobs."""
+
+    _tag_names = ["trl", "trl-es", "evolution-strategies"]
+    _name = "ES"
+    _paper = {
+        "title": "Evolution Strategies at Scale: LLM Fine-Tuning Beyond Reinforcement Learning",
+        "id": "2509.24372",
+        "citation": (
+            "@article{qiu2025evolution,\n    title  = {{Evolution Strategies at Scale: LLM Fine-Tuning Beyond "
+            "Reinforcement Learning}},\n    author = {Xin Qiu and others},\n    year   = 2025,\n"
+            "    eprint = {arXiv:2509.24372}\n}"
+        ),
+    }
+
+    def __init__(
+        self,
+        model: str | PreTrainedModel,
+        reward_funcs,
+        args: ESConfig | None = None,
+        train_dataset: Dataset | IterableDataset | None = None,
+        eval_dataset=None,
+        processing_class: PreTrainedTokenizerBase | None = None,
+        reward_processing_classes=None,
+        callbacks=None,
+    ):
+        if args is None:
+            name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = ESConfig(f"{str(name).rstrip('/').split('/')[-1]}-ES")
+        if not isinstance(args, ESConfig):
+            raise TypeError(f"`args` must be an ESConfig, got {type(args).__name__}")
+        if eval_dataset is not None or args.eval_strategy != "no":
+            raise ValueError(
+                "ESTrainer does not evaluate during training yet (no eval_dataset / eval_strategy): evaluate the "
+                "saved model separately."
+            )
+        self._check_dataset(train_dataset)
+
+        if isinstance(model, str):
+            model_init_kwargs = dict(args.model_init_kwargs or {})
+            model = create_model_from_path(model, **model_init_kwargs)
+        elif args.model_init_kwargs is not None:
+            logger.warning("`model_init_kwargs` is ignored: the model is already instantiated.")
+        if not isinstance(model, PreTrainedModel):
+            raise TypeError(f"`model` must be a model id, a path or a PreTrainedModel, got {type(model).__name__}")
+
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(
+                get_config_model_id(model.config), padding_side="left", truncation_side="left"
+            )
+        if not isinstance(processing_class, PreTrainedTokenizerBase):
+            raise TypeError("`processing_class` must be a tokenizer (PreTrainedTokenizerBase); ESTrainer is text-only")
+        if processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token
+        model.config.get_text_config().pad_token_id = processing_class.pad_token_id
+        model.generation_config.pad_token_id = processing_class.pad_token_id
+        eos_ids = model.generation_config.eos_token_id
+        eos_ids = [] if eos_ids is None else [eos_ids] if isinstance(eos_ids, int) else list(eos_ids)
+        if processing_class.eos_token_id not in eos_ids:
+            eos_ids = [processing_class.eos_token_id, *eos_ids]
+        disable_dropout_in_model(model)
+
+        self.reward_functions = RewardFunctions(
+            reward_funcs,
+            reward_weights=args.reward_weights,
+            reward_processing_classes=reward_processing_classes,
+            model_init_kwargs=args.model_init_kwargs,
+            chat_template_kwargs=args.chat_template_kwargs,
+        )
+
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=identity,
+            train_dataset=train_dataset,
+            processing_class=processing_class,
+            callbacks=callbacks,
+        )
+        self.model.add_model_tags(self._tag_names)
+        self.reward_functions.to(self.accelerator.device)
+
+        generation_kwargs = {
+            "max_new_tokens": args.max_completion_length,
+            "do_sample": True,
+            "pad_token_id": processing_class.pad_token_id,
+            "bos_token_id": processing_class.bos_token_id,
+            "eos_token_id": eos_ids,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
+            "min_p": args.min_p,
+            "repetition_penalty": args.repetition_penalty,
+            **(args.generation_kwargs or {}),
+        }
+        self.rollout = TransformersRollout(
+            self.model,
+            processing_class,
+            GenerationConfig(**generation_kwargs, disable_compile=True),
+            eos_ids,
+            args.chat_template_kwargs,
+        )
+        self.es_params = select_parameters(self.model.named_parameters(), args.es_parameter_patterns)
+        self._snapshot = None  # allocated at the first step, freed after training
+        self._noise_table = None
+        self._start_sample = None
+        self._metrics = defaultdict(list)
+        self._last_completions = None
+
+    @staticmethod
+    def _check_dataset(dataset):
+        if dataset is None:
+            raise ValueError("ESTrainer needs a `train_dataset` with a 'prompt' column")
+        columns = getattr(dataset, "column_names", None)
+        if columns is not None and "prompt" not in columns:
+            raise ValueError(f"`train_dataset` has no 'prompt' column (columns: {columns})")
+
+    # ---- Trainer plumbing -------------------------------------------------------------------------------------
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = ["prompt"]
+
+    def create_optimizer(self, model=None):
+        """A placeholder: ES keeps no optimizer state. This SGD over one scalar that never receives a gradient
+        (so `step()` does nothing) lets Trainer's scheduler drive α_t, saved and resumed with checkpoints."""
+        if self.optimizer is None:
+            self._lr_holder = torch.nn.Parameter(torch.zeros((), device=self.args.device))
+            self.optimizer = torch.optim.SGD([self._lr_holder], lr=self.args.learning_rate)
+        return self.optimizer
+
+    def floating_point_ops(self, inputs) -> int:
+        return 0  # no forward/backward FLOPs in Trainer's sense
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        learning_rate = self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else self.args.learning_rate
+        self._es_step(inputs, self.state.global_step, learning_rate)
+        return torch.zeros((), device=self.args.device)
+
+    def train(self, *args, **kwargs):
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._snapshot = None  # free the host copy of θ
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        logs = {k: v for k, v in logs.items() if k not in ("loss", "grad_norm")}
+        if self._metrics and "train_runtime" not in logs:
+            logs.update({key: sum(values) / len(values) for key, values in self._metrics.items()})
+            self._metrics.clear()
+            if self.args.log_completions and self._last_completions and self.accelerator.is_main_process:
+                print_prompt_completions_sample(
+                    *self._last_completions, None, self.state.global_step, self.args.num_completions_to_print
+                )
+        super().log(logs, start_time)
+
+    # ---- The ES step ------------------------------------------------------------------------------------------
+
+    def _member_directions(self, step: int) -> list[tuple[int, int]]:
+        """(noise seed, sign) of each member: ε_i from seed(t, i), or ±ε_k from seed(t, k) for antithetic pairs."""
+        n, seed = self.args.population_size, self.args.seed
+        if self.args.antithetic:
+            return [(member_seed(seed, step, i // 2), 1 if i % 2 == 0 else -1) for i in range(n)]
+        return [(member_seed(seed, step, i), 1) for i in range(n)]
+
+    def _sampling_seed(self, step: int, member: int) -> int:
+        key = "common" if self.args.common_generation_seed else member
+        return _hash64("es-sampling", self.args.seed, step, key) % (2**63)
+
+    def _prepare_es_state(self):
+        device = next(iter(self.es_params.values())).device
+        if self._noise_table is None:
+            self._noise_table = NoiseTable(self.args.seed, self.args.noise_table_size, device)
+        if self._snapshot is None:
+            self._snapshot = ParameterSnapshot(self.es_params, storage_device="cpu")
+        if self._start_sample is None:
+            total = sum(p.numel() for p in self.es_params.values())
+            self._stride = max(1, total // DISTANCE_SAMPLE)
+            self._start_sample = [
+                p.detach().view(-1)[:: self._stride].to("cpu", torch.float32, copy=True) for p in self.es_params.values()
+            ]
+
+    def _evaluate(self, rows, prompt_ids, sampling_seed):
+        """Generate for the current weights and score: (member reward R, per-function rewards, rollout)."""
+        timer = time.perf_counter()
+        g = self.args.num_generations
+        rollout = self.rollout.generate([row["prompt"] for row in rows], prompt_ids, g, sampling_seed)
+        self._metrics["es/time/generate"].append(time.perf_counter() - timer)
+        timer = time.perf_counter()
+        per_func = self.reward_functions(
+            [row for row in rows for _ in range(g)],
+            rollout.prompts,
+            rollout.completions,
+            rollout.completion_ids,
+            trainer_state=self.state,
+            log_metric=lambda name, value: self._metrics[name].append(value),
+            log_extra=lambda column, values: None,
+        )
+        rewards = self.reward_functions.combine(per_func)
+        self._metrics["es/time/reward"].append(time.perf_counter() - timer)
+        return rewards.nanmean(), per_func, rewards, rollout
+
+    def _es_step(self, rows: list[dict], step: int, learning_rate: float) -> None:
+        """One ES step (DESIGN §2). On any exception, KeyboardInterrupt included, θ is restored bitwise."""
+        args = self.args
+        self._prepare_es_state()
+        snapshot, table = self._snapshot, self._noise_table
+        prompt_ids = self.rollout.tokenize([row["prompt"] for row in rows])
+        directions = self._member_directions(step)
+        member_rewards = torch.full((len(directions),), float("nan"), dtype=torch.float64)
+        all_func_rewards, lengths, truncated = [], [], []
+        noise_time = 0.0
+        snapshot.capture()
+        try:
+            center = None
+            if args.es_baseline == "center":
+                center = self._evaluate(rows, prompt_ids, self._sampling_seed(step, "center"))[0].item()
+            for i, (seed, sign) in enumerate(directions):
+                timer = time.perf_counter()
+                snapshot.perturb(table, seed, sign * args.sigma)
+                noise_time += time.perf_counter() - timer
+                reward, per_func, completion_rewards, rollout = self._evaluate(
+                    rows, prompt_ids, self._sampling_seed(step, i)
+                )
+                member_rewards[i] = reward
+                all_func_rewards.append(per_func)
+                lengths += [len(ids) for ids in rollout.completion_ids]
+                truncated += rollout.truncated
+                if i == 0:
+                    names = self.reward_functions.names
+                    self._last_completions = (
+                        rollout.prompts,
+                        rollout.completions,
+                        {n: per_func[:, k].tolist() for k, n in enumerate(names)},
+                    )
+            timer = time.perf_counter()
+            if center is not None and not torch.isnan(torch.tensor(center)):
+                member_rewards = member_rewards - center
+            fitness = shape_fitness(member_rewards, args.fitness_shaping)
+            if fitness is None:
+                warnings.warn(
+                    f"ES step {step}: the population rewards have no spread ({member_rewards.tolist()}); "
+                    "the weights are left unchanged. Rewards that are all equal or all None (NaN) carry no signal.",
+                    stacklevel=2,
+                )
+                snapshot.restore()
+                update_norm = 0.0
+                self._metrics["es/skipped_update"].append(1.0)
+            else:
+                n_valid = int((~torch.isnan(member_rewards)).sum())
+                coefficients = update_coefficients(fitness, directions, learning_rate, n_valid)
+                update_norm = apply_update(snapshot, table, coefficients, decay=learning_rate * args.weight_decay)
+                self._metrics["es/skipped_update"].append(0.0)
+            update_time = time.perf_counter() - timer
+        except BaseException:
+            snapshot.restore()
+            raise
+        if center is not None:
+            member_rewards = member_rewards + center
+            self._metrics["es/center_reward"].append(center)
+        self._log_step(member_rewards, all_func_rewards, lengths, truncated, update_norm, noise_time, update_time)
+
+    def _log_step(self, member_rewards, func_rewards, lengths, truncated, update_norm, noise_time, update_time):
+        metrics, names = self._metrics, self.reward_functions.names
+        func_rewards = torch.cat(func_rewards)
+        completion_rewards = self.reward_functions.combine(func_rewards)
+        valid = member_rewards[~torch.isnan(member_rewards)]
+        metrics["reward"].append(completion_rewards.nanmean().item())
+        metrics["reward_std"].append(completion_rewards[~torch.isnan(completion_rewards)].std().nan_to_num().item())
+        for k, name in enumerate(names):
+            column = func_rewards[:, k]
+            metrics[f"rewards/{name}/mean"].append(column.nanmean().item())
+            metrics[f"rewards/{name}/std"].append(column[~torch.isnan(column)].std().nan_to_num().item())
+        lengths_t = torch.tensor(lengths, dtype=torch.float32)
+        metrics["completions/mean_length"].append(lengths_t.mean().item())
+        metrics["completions/min_length"].append(lengths_t.min().item())
+        metrics["completions/max_length"].append(lengths_t.max().item())
+        metrics["completions/clipped_ratio"].append(sum(truncated) / len(truncated))
+        if valid.numel():
+            metrics["es/population_reward_min"].append(valid.min().item())
+            metrics["es/population_reward_max"].append(valid.max().item())
+            metrics["es/population_reward_std"].append(valid.std(unbiased=False).item())
+        metrics["es/sigma"].append(self.args.sigma)
+        metrics["es/update_norm"].append(update_norm)
+        metrics["es/rel_distance_from_start"].append(self._distance_from_start())
+        metrics["es/time/noise"].append(noise_time)
+        metrics["es/time/update"].append(update_time)
+
+    def _distance_from_start(self) -> float:
+        """‖θ − θ₀‖/‖θ₀‖ over every k-th element of θ (k = `self._stride`)."""
+        diff = norm = 0.0
+        for p, start in zip(self.es_params.values(), self._start_sample, strict=True):
+            now = p.detach().view(-1)[:: self._stride].float().cpu()
+            diff += float((now - start).square().sum())
+            norm += float(start.square().sum())
+        return (diff / norm) ** 0.5 if norm else 0.0
+
+    # ---- Saving -----------------------------------------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        super().save_model(output_dir, _internal_call)
+        output_dir = output_dir or self.args.output_dir
+        if not _internal_call and os.path.abspath(output_dir) == os.path.abspath(self.args.output_dir):
+            self.create_model_card()
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's model card (tags trl, trl-es, evolution-strategies) plus the base model and ES settings."""
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if not self.is_world_process_zero():
+            return
+        args = self.args
+        settings = {
+            "base model": get_config_model_id(self.model.config),
+            "population_size": args.population_size,
+            "sigma": args.sigma,
+            "learning_rate (α)": args.learning_rate,
+            "antithetic": args.antithetic,
+            "fitness_shaping": args.fitness_shaping,
+            "es_baseline": args.es_baseline,
+            "common_generation_seed": args.common_generation_seed,
+            "es_parameter_patterns": args.es_parameter_patterns,
+            "weight_decay": args.weight_decay,
+            "num_generations": args.num_generations,
+            "prompts per step": args.per_device_train_batch_size,
+            "steps": self.state.global_step,
+            "seed": args.seed,
+            "reward functions": ", ".join(self.reward_functions.names),
+        }
+        rows = "\n".join(f"| {k} | `{v}` |" for k, v in settings.items())
+        path = os.path.join(args.output_dir, "README.md")
+        with open(path, "a", encoding="utf-8") as card:
+            card.write(f"\n## Evolution Strategies settings\n\n| setting | value |\n|---|---|\n{rows}\n")
