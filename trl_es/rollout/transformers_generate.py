@@ -38,6 +38,7 @@ class TransformersRollout:
         self.chat_template_kwargs = chat_template_kwargs or {}
 
     def tokenize(self, prompts: list) -> list[list[int]]:
+        prompts = list(prompts)
         if is_conversational({"prompt": prompts[0]}):
             return self.tokenizer.apply_chat_template(
                 conversation=prompts, add_generation_prompt=True, tokenize=True, return_dict=True,

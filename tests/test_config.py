@@ -1,0 +1,55 @@
+"""ESConfig: bad values are refused at construction naming the field; gradient-only fields are refused or warned."""
+
+import pytest
+
+from trl_es import ESConfig
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("sigma", 0.0),
+        ("sigma", -1e-3),
+        ("sigma", float("nan")),
+        ("population_size", 1),
+        ("learning_rate", -1.0),
+        ("fitness_shaping", "softmax"),
+        ("es_baseline", "partner"),
+        ("num_generations", 0),
+        ("max_completion_length", 0),
+        ("temperature", 0.0),
+        ("top_p", 1.5),
+        ("noise_table_size", 1000),
+        ("weight_decay", -0.1),
+        ("gradient_accumulation_steps", 4),
+    ],
+)
+def test_bad_values_raise_naming_the_field(tmp_path, field, value):
+    with pytest.raises(ValueError, match=f"ESConfig.{field}="):
+        ESConfig(str(tmp_path), **{field: value})
+
+
+def test_antithetic_needs_an_even_population(tmp_path):
+    with pytest.raises(ValueError, match="ESConfig.population_size=5.*even"):
+        ESConfig(str(tmp_path), population_size=5, antithetic=True)
+    assert ESConfig(str(tmp_path), population_size=6, antithetic=True).antithetic
+
+
+def test_gradient_only_fields_warn_and_are_ignored(tmp_path):
+    with pytest.warns(UserWarning, match="max_grad_norm is ignored"):
+        args = ESConfig(str(tmp_path), max_grad_norm=1.0)
+    assert args.max_grad_norm == 0.0
+    with pytest.warns(UserWarning, match="gradient_checkpointing is ignored"):
+        ESConfig(str(tmp_path), gradient_checkpointing=True)
+    with pytest.warns(UserWarning, match="optim='sgd' is ignored"):
+        ESConfig(str(tmp_path), optim="sgd")
+
+
+def test_defaults_follow_qiu_et_al_and_document_every_field(tmp_path):
+    from dataclasses import fields
+
+    args = ESConfig(str(tmp_path))
+    assert (args.population_size, args.sigma, args.learning_rate) == (30, 1e-3, 5e-4)
+    assert args.lr_scheduler_type == "constant" and args.remove_unused_columns is False
+    own = [f for f in fields(ESConfig) if f.name in ESConfig.__dataclass_fields__ and f.metadata]
+    assert all(f.metadata.get("help") for f in own)

@@ -1,0 +1,145 @@
+"""The algorithm layer on plain tensors: noise, exact restore, fitness shaping, the update."""
+
+import math
+
+import pytest
+import torch
+
+from trl_es.es import (
+    NoiseTable,
+    ParameterSnapshot,
+    apply_update,
+    member_noise,
+    member_seed,
+    select_parameters,
+    shape_fitness,
+    update_coefficients,
+)
+from trl_es.es.noise import CHUNK
+
+
+@pytest.fixture(scope="module")
+def table():
+    return NoiseTable(seed=0, size=CHUNK * 2)
+
+
+def full_noise(table, seed, name, numel):
+    return torch.cat([w for _, _, w in member_noise(table, seed, name, numel)])
+
+
+def make_params(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    shapes = {"a.weight": (64, 48), "b.weight": (64, 48), "big": (CHUNK + 1000,), "c.bias": (7,)}
+    return {n: torch.nn.Parameter(torch.randn(s).to(dtype)) for n, s in shapes.items()}
+
+
+def test_member_seed_is_a_pure_function_of_seed_step_member():
+    assert member_seed(0, 3, 5) == member_seed(0, 3, 5)
+    seeds = {member_seed(s, t, i) for s in range(2) for t in range(3) for i in range(4)}
+    assert len(seeds) == 24
+
+
+def test_noise_keyed_by_name_and_member_and_reproducible(table):
+    n = 64 * 48
+    a = full_noise(table, 1, "a.weight", n)
+    assert torch.equal(a, full_noise(table, 1, "a.weight", n))
+    assert not torch.equal(a, full_noise(table, 1, "b.weight", n))  # same shape, other name
+    assert not torch.equal(a, full_noise(table, 2, "a.weight", n))  # other member
+    assert abs(a.mean().item()) < 0.1 and abs(a.std().item() - 1) < 0.1
+
+
+def test_noise_of_a_shard_is_the_slice_of_the_full_noise(table):
+    numel = CHUNK + 5000
+    full = full_noise(table, 7, "big", numel)
+    start, end = CHUNK - 300, CHUNK + 1200  # crosses a chunk boundary
+    shard = torch.cat([w for _, _, w in member_noise(table, 7, "big", numel, start, end)])
+    assert torch.equal(shard, full[start:end])
+
+
+def test_noise_table_is_the_same_for_the_same_seed():
+    assert torch.equal(NoiseTable(3, CHUNK).values, NoiseTable(3, CHUNK).values)
+    assert not torch.equal(NoiseTable(3, CHUNK).values, NoiseTable(4, CHUNK).values)
+    with pytest.raises(ValueError, match="at least"):
+        NoiseTable(0, 10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_perturb_then_restore_is_bitwise_exact(table, dtype):
+    params = make_params(dtype)
+    before = {n: p.detach().clone() for n, p in params.items()}
+    snapshot = ParameterSnapshot(params)
+    snapshot.capture()
+    for member in range(5):
+        snapshot.perturb(table, member_seed(0, 0, member), 1e-3 * (-1) ** member)
+        assert not torch.equal(params["a.weight"], before["a.weight"])
+    snapshot.restore()
+    for name, p in params.items():
+        assert torch.equal(p, before[name]), name
+
+
+def test_perturb_sets_theta_plus_scale_times_noise(table):
+    params = make_params()
+    theta = params["big"].detach().clone()
+    snapshot = ParameterSnapshot(params)
+    snapshot.capture()
+    snapshot.perturb(table, 11, 0.5)
+    expected = theta + 0.5 * full_noise(table, 11, "big", theta.numel())
+    assert torch.equal(params["big"].detach(), expected)
+
+
+def test_select_parameters_by_pattern_and_errors():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    assert list(select_parameters(model.named_parameters())) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    assert list(select_parameters(model.named_parameters(), [r"^0\."])) == ["0.weight", "0.bias"]
+    with pytest.raises(ValueError, match="match no trainable"):
+        select_parameters(model.named_parameters(), ["nothing"])
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable"):
+        select_parameters(model.named_parameters())
+
+
+def test_zscore_and_ranks_by_hand():
+    rewards = torch.tensor([1.0, 2.0, 3.0, float("nan")])
+    z = shape_fitness(rewards, "zscore")
+    std = math.sqrt(2 / 3)
+    assert torch.allclose(z, torch.tensor([-1 / std, 0.0, 1 / std, 0.0], dtype=torch.float64), atol=1e-6)
+    ranks = shape_fitness(torch.tensor([5.0, 1.0, 5.0, 3.0]), "centered_rank")
+    # ranks 0-based with ties averaged: 1.0 → 0, 3.0 → 1, 5.0 → (2+3)/2; scaled by 1/(n-1) and centred
+    assert torch.allclose(ranks, torch.tensor([2.5 / 3 - 0.5, -0.5, 2.5 / 3 - 0.5, 1 / 3 - 0.5], dtype=torch.float64))
+    assert torch.equal(shape_fitness(torch.tensor([0.5, 1.5]), "none"), torch.tensor([0.5, 1.5], dtype=torch.float64))
+
+
+def test_no_signal_gives_no_fitness():
+    assert shape_fitness(torch.tensor([1.0, 1.0, 1.0])) is None
+    assert shape_fitness(torch.tensor([float("nan")] * 4)) is None
+    assert shape_fitness(torch.tensor([1.0, float("nan"), float("nan")])) is None
+    with pytest.raises(ValueError, match="unknown fitness shaping"):
+        shape_fitness(torch.tensor([1.0, 2.0]), "bogus")
+
+
+def test_antithetic_coefficients_merge_per_seed():
+    fitness = torch.tensor([1.0, -1.0, 0.5, 0.5], dtype=torch.float64)
+    coefficients = update_coefficients(fitness, [(10, 1), (10, -1), (20, 1), (20, -1)], learning_rate=0.4, n_members=4)
+    assert coefficients == pytest.approx({10: 0.4 * 2 / 4, 20: 0.0})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_update_is_accumulated_in_fp32_and_cast_once(table, dtype):
+    params = make_params(dtype)
+    theta = {n: p.detach().clone() for n, p in params.items()}
+    snapshot = ParameterSnapshot(params)
+    snapshot.capture()
+    coefficients = {101: 3e-3, 202: -1e-3, 303: 2e-4}
+    norm = apply_update(snapshot, table, coefficients, decay=0.01)
+    squared = 0.0
+    for name, p in params.items():
+        delta = sum(c * full_noise(table, s, name, p.numel()) for s, c in coefficients.items())
+        delta = delta - 0.01 * theta[name].float().view(-1)
+        squared += float(delta.square().sum())
+        expected = (theta[name].float().view(-1) + delta).to(dtype).view_as(p)
+        assert torch.allclose(p.detach().float(), expected.float(), atol=1e-6, rtol=0), name
+        if dtype == torch.float32:
+            assert (p.detach() - expected).abs().max() < 1e-6
+    assert norm == pytest.approx(math.sqrt(squared), rel=1e-4)
+    for name in params:  # the snapshot still holds θ, so an interrupted update can be undone
+        assert torch.equal(snapshot.copies[name], theta[name])

@@ -1,0 +1,230 @@
+"""ESTrainer on tiny real transformers models: learning, exact restore, reproducibility, resume, bad input."""
+
+import math
+import warnings
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from trl_es import ESConfig, ESTrainer
+
+
+def config(tmp_path, **overrides):
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        population_size=4,
+        sigma=0.02,
+        learning_rate=0.02,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        max_steps=2,
+        seed=3,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    values.update(overrides)
+    return ESConfig(**values)
+
+
+def even_token_share(completion_ids, **kwargs):
+    """Share of completion tokens whose id is even: an easy target a tiny random model starts at ~50% on."""
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def weights(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_same_weights(model, expected):
+    for name, p in model.named_parameters():
+        assert torch.equal(p, expected[name]), name
+
+
+def test_es_raises_the_reward(tmp_path, tiny_model_dir, prompt_dataset):
+    args = config(
+        tmp_path, population_size=16, sigma=0.05, learning_rate=0.05, num_generations=4, max_steps=12, seed=0
+    )
+    trainer = ESTrainer(tiny_model_dir, even_token_share, args=args, train_dataset=prompt_dataset)
+    trainer.train()
+    rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
+    assert len(rewards) == 12
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
+    assert last > first + 0.15, rewards
+
+
+def test_same_seed_gives_bitwise_same_weights_and_logs(tmp_path, tiny_model_dir, prompt_dataset):
+    results = []
+    for run in range(2):
+        trainer = ESTrainer(
+            tiny_model_dir, even_token_share, args=config(tmp_path / str(run), max_steps=3), train_dataset=prompt_dataset
+        )
+        trainer.train()
+        rewards = [log["es/population_reward_max"] for log in trainer.state.log_history if "reward" in log]
+        results.append((weights(trainer.model), rewards))
+    assert results[0][1] == results[1][1]
+    assert_same_weights_dicts(results[0][0], results[1][0])
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not torch.equal(start.model.embed_tokens.weight, results[0][0]["model.embed_tokens.weight"])
+
+
+def assert_same_weights_dicts(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_resume_from_checkpoint_gives_the_uninterrupted_weights(tmp_path, tiny_model_dir, prompt_dataset):
+    full = ESTrainer(tiny_model_dir, even_token_share, args=config(tmp_path / "full", max_steps=4), train_dataset=prompt_dataset)
+    full.train()
+
+    first = ESTrainer(
+        tiny_model_dir,
+        even_token_share,
+        args=config(tmp_path / "resumed", max_steps=4, save_strategy="steps", save_steps=2),
+        train_dataset=prompt_dataset,
+    )
+    first.train()  # writes checkpoint-2 and checkpoint-4
+    checkpoint = tmp_path / "resumed" / "out" / "checkpoint-2"
+    assert (checkpoint / "model.safetensors").is_file()
+    resumed = ESTrainer(
+        str(checkpoint),
+        even_token_share,
+        args=config(tmp_path / "resumed", max_steps=4),
+        train_dataset=prompt_dataset,
+    )
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 4
+    assert_same_weights(resumed.model, weights(full.model))
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("error", [Boom, KeyboardInterrupt])
+def test_failing_reward_mid_population_restores_weights_bitwise(tmp_path, tiny_model_dir, prompt_dataset, error):
+    calls = []
+
+    def flaky(completion_ids, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the third member
+            raise error("reward service down")
+        return even_token_share(completion_ids)
+
+    trainer = ESTrainer(tiny_model_dir, flaky, args=config(tmp_path), train_dataset=prompt_dataset)
+    before = weights(trainer.model)
+    with pytest.raises(error):
+        trainer.train()
+    assert len(calls) == 3
+    assert_same_weights(trainer.model, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_failing_generation_restores_half_precision_weights(tmp_path, tiny_model_dir, prompt_dataset, dtype):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype)
+    trainer = ESTrainer(model, even_token_share, args=config(tmp_path), train_dataset=prompt_dataset)
+    real_generate, calls = trainer.rollout.generate, []
+
+    def generate_then_fail(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # Ctrl-C while the second member generates
+        return real_generate(*args, **kwargs)
+
+    trainer.rollout.generate = generate_then_fail
+    before = weights(trainer.model)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    assert_same_weights(trainer.model, before)
+
+
+def test_half_precision_training_moves_weights(tmp_path, tiny_model_dir, prompt_dataset):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    before = weights(model)
+    trainer = ESTrainer(model, even_token_share, args=config(tmp_path, sigma=0.05, learning_rate=0.05), train_dataset=prompt_dataset)
+    trainer.train()
+    after = weights(trainer.model)
+    assert all(t.dtype == torch.bfloat16 for t in after.values())
+    assert not torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
+    assert all(torch.isfinite(t.float()).all() for t in after.values())
+
+
+@pytest.mark.parametrize(
+    "reward, message",
+    [
+        (lambda completions, **kw: [1.0] * (len(completions) - 1), "returned 15 rewards, but 16 were expected"),
+        (lambda completions, **kw: ["high"] * len(completions), "returned 'high'"),
+        (lambda completions, **kw: 1.0, "returned a float"),
+    ],
+    ids=["wrong-length", "non-number", "not-a-list"],
+)
+def test_bad_reward_output_is_a_clear_error_and_weights_stay(tmp_path, tiny_model_dir, prompt_dataset, reward, message):
+    reward.__name__ = "my_reward"
+    trainer = ESTrainer(tiny_model_dir, reward, args=config(tmp_path), train_dataset=prompt_dataset)
+    before = weights(trainer.model)
+    with pytest.raises((ValueError, TypeError), match=f"'my_reward'.*{message}|{message}"):
+        trainer.train()
+    assert_same_weights(trainer.model, before)
+
+
+@pytest.mark.parametrize(
+    "reward",
+    [lambda completions, **kw: [None] * len(completions), lambda completions, **kw: [0.5] * len(completions)],
+    ids=["all-none", "no-spread"],
+)
+def test_rewards_without_signal_skip_the_update_with_a_warning(tmp_path, tiny_model_dir, prompt_dataset, reward):
+    trainer = ESTrainer(tiny_model_dir, reward, args=config(tmp_path), train_dataset=prompt_dataset)
+    before = weights(trainer.model)
+    with pytest.warns(UserWarning, match="no spread"):
+        trainer.train()
+    assert_same_weights(trainer.model, before)
+    assert [log["es/skipped_update"] for log in trainer.state.log_history if "reward" in log] == [1.0, 1.0]
+
+
+def test_nan_rewards_are_excluded_not_propagated(tmp_path, tiny_model_dir, prompt_dataset):
+    def half_none(completion_ids, **kwargs):
+        return [None if k % 2 else float(ids[0] % 2 == 0) for k, ids in enumerate(completion_ids)]
+
+    def always_nan(completions, **kwargs):
+        return [math.nan] * len(completions)
+
+    trainer = ESTrainer(tiny_model_dir, [half_none, always_nan], args=config(tmp_path), train_dataset=prompt_dataset)
+    trainer.train()
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    logs = [log for log in trainer.state.log_history if "reward" in log]
+    assert all(math.isfinite(log["reward"]) for log in logs)
+
+
+def test_dataset_without_prompt_column_is_refused(tmp_path, tiny_model_dir, prompt_dataset):
+    with pytest.raises(ValueError, match="no 'prompt' column"):
+        ESTrainer(tiny_model_dir, even_token_share, args=config(tmp_path), train_dataset=prompt_dataset.rename_column("prompt", "question"))
+    with pytest.raises(ValueError, match="reward"):
+        ESTrainer(tiny_model_dir, [], args=config(tmp_path), train_dataset=prompt_dataset)
+
+
+def test_parameter_patterns_restrict_what_moves(tmp_path, tiny_model_dir, prompt_dataset):
+    trainer = ESTrainer(
+        tiny_model_dir,
+        even_token_share,
+        args=config(tmp_path, es_parameter_patterns=[r"layers\.1\.mlp"]),
+        train_dataset=prompt_dataset,
+    )
+    before = weights(trainer.model)
+    trainer.train()
+    for name, p in trainer.model.named_parameters():
+        moved = not torch.equal(p, before[name])
+        assert moved == ("layers.1.mlp" in name), name
+
+
+def test_antithetic_centered_rank_and_center_baseline_run(tmp_path, tiny_model_dir, prompt_dataset):
+    args = config(tmp_path, antithetic=True, fitness_shaping="centered_rank", es_baseline="center", weight_decay=0.1)
+    trainer = ESTrainer(tiny_model_dir, even_token_share, args=args, train_dataset=prompt_dataset)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    logs = [log for log in trainer.state.log_history if "reward" in log]
+    assert all("es/center_reward" in log for log in logs)
+    assert logs[-1]["es/update_norm"] > 0

