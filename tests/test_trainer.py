@@ -43,16 +43,29 @@ def assert_same_weights(model, expected):
         assert torch.equal(p, expected[name]), name
 
 
+def upper_vocab_share(completion_ids, **kwargs):
+    """Share of completion tokens from the upper half of the vocabulary; the tiny model starts near 0.16."""
+    return [sum(t >= 24576 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
 def test_es_raises_the_reward(tmp_path, tiny_model_dir, prompt_dataset):
     args = config(
-        tmp_path, population_size=16, sigma=0.05, learning_rate=0.05, num_generations=4, max_steps=12, seed=0
+        tmp_path,
+        population_size=16,
+        sigma=0.01,
+        learning_rate=0.01,
+        per_device_train_batch_size=8,
+        num_generations=1,
+        generation_kwargs={"do_sample": False},
+        max_steps=10,
+        seed=0,
     )
-    trainer = ESTrainer(tiny_model_dir, even_token_share, args=args, train_dataset=prompt_dataset)
+    trainer = ESTrainer(tiny_model_dir, upper_vocab_share, args=args, train_dataset=prompt_dataset)
     trainer.train()
     rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
-    assert len(rewards) == 12
+    assert len(rewards) == 10
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last > first + 0.15, rewards
+    assert last > first + 0.25, rewards
 
 
 def test_same_seed_gives_bitwise_same_weights_and_logs(tmp_path, tiny_model_dir, prompt_dataset):
@@ -155,7 +168,7 @@ def test_half_precision_training_moves_weights(tmp_path, tiny_model_dir, prompt_
 @pytest.mark.parametrize(
     "reward, message",
     [
-        (lambda completions, **kw: [1.0] * (len(completions) - 1), "returned 15 rewards, but 16 were expected"),
+        (lambda completions, **kw: [1.0] * (len(completions) - 1), "returned 7 rewards, but 8 were expected"),
         (lambda completions, **kw: ["high"] * len(completions), "returned 'high'"),
         (lambda completions, **kw: 1.0, "returned a float"),
     ],
@@ -209,7 +222,7 @@ def test_parameter_patterns_restrict_what_moves(tmp_path, tiny_model_dir, prompt
     trainer = ESTrainer(
         tiny_model_dir,
         even_token_share,
-        args=config(tmp_path, es_parameter_patterns=[r"layers\.1\.mlp"]),
+        args=config(tmp_path, es_parameter_patterns=[r"layers\.1\.mlp"], common_generation_seed=False),
         train_dataset=prompt_dataset,
     )
     before = weights(trainer.model)

@@ -65,7 +65,8 @@ def recording_reward(calls):
                     "completions": describe(completions),
                     "completion_ids": describe(completion_ids),
                     "completion_ids[0]": describe(completion_ids[0]),
-                    "answer": answer,
+                    "answer": describe(answer),
+                    "one prompt per pair": len(set(map(str, prompts))) == 1,
                     "extra": {k: describe(v) for k, v in kw.items()},
                     "trainer_state": isinstance(trainer_state, TrainerState),
                     "log_metric": callable(log_metric),
@@ -85,13 +86,15 @@ def test_grpo_reward_function_runs_unchanged_with_the_same_arguments(tmp_path, t
     prompts = [[{"role": "user", "content": q}] for q in questions] if conversational else questions
     dataset = Dataset.from_dict({"prompt": prompts, "answer": ["2", "4"], "difficulty": [1, 2]})
     es_calls, grpo_calls = [], []
-    ESTrainer(tiny_model_dir, recording_reward(es_calls), args=es_args(tmp_path), train_dataset=dataset).train()
+    # GRPO's per_device_train_batch_size counts completions, ESConfig's counts prompts: 1 prompt × 2 completions each
+    es_config = es_args(tmp_path, per_device_train_batch_size=1)
+    ESTrainer(tiny_model_dir, recording_reward(es_calls), args=es_config, train_dataset=dataset).train()
     GRPOTrainer(tiny_model_dir, recording_reward(grpo_calls), args=grpo_args(tmp_path), train_dataset=dataset).train()
     assert es_calls and grpo_calls
     es_seen, grpo_seen = es_calls[0]["kwargs"], grpo_calls[0]["kwargs"]
     assert es_seen == grpo_seen  # same argument names, types, lengths, extra columns ("difficulty")
     assert "difficulty" in es_seen["extra"]
-    assert sorted(map(str, es_calls[0]["prompts"])) == sorted(map(str, grpo_calls[0]["prompts"]))
+    assert all(p in prompts for call in es_calls + grpo_calls for p in call["prompts"])
 
 
 def test_reward_model_id_async_function_weights_and_none(tmp_path, tiny_model_dir, tokenizer_dir):
@@ -149,11 +152,10 @@ def test_saved_model_loads_in_transformers_and_grpo_with_a_model_card(tmp_path, 
 def test_report_to_tensorboard_and_log_completions(tmp_path, tiny_model_dir, prompt_dataset, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    args = es_args(tmp_path, report_to="tensorboard", logging_dir=str(tmp_path / "tb"), log_completions=True,
-                   population_size=4, max_steps=2)
+    args = es_args(tmp_path, report_to="tensorboard", log_completions=True, population_size=4, max_steps=2)
     ESTrainer(tiny_model_dir, lambda completion_ids, **kw: [float(ids[0] % 3) for ids in completion_ids],
               args=args, train_dataset=prompt_dataset).train()
-    events = EventAccumulator(str(next((tmp_path / "tb").rglob("events.out.tfevents*")).parent))
+    events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents*")).parent))
     events.Reload()
     tags = events.Tags()["scalars"]
     for tag in ("train/reward", "train/es/update_norm", "train/es/population_reward_std", "train/es/time/generate"):
@@ -166,13 +168,15 @@ def test_push_to_hub_goes_through_trainer(tmp_path, tiny_model_dir, prompt_datas
     import transformers.trainer as hf_trainer
 
     uploads = []
-    monkeypatch.setattr(hf_trainer, "create_repo", lambda repo_id, **kw: type("Url", (), {"repo_id": repo_id})())
 
-    def fake_upload_folder(repo_id, folder_path, **kwargs):
-        uploads.append((repo_id, sorted(p.name for p in Path(folder_path).iterdir())))
-        return type("Info", (), {"commit_url": "local"})()
+    class RecordingHub:
+        def create_repo(self, repo_id, **kwargs):
+            return type("RepoUrl", (), {"repo_id": repo_id})()
 
-    monkeypatch.setattr(hf_trainer, "upload_folder", fake_upload_folder)
+        def upload_folder(self, repo_id, folder_path, **kwargs):
+            uploads.append((repo_id, sorted(p.name for p in Path(folder_path).iterdir())))
+
+    monkeypatch.setattr(hf_trainer, "hf_api", RecordingHub)
     args = es_args(tmp_path, population_size=4, hub_model_id="me/tiny-es", push_to_hub=False)
     trainer = ESTrainer(tiny_model_dir, lambda completions, **kw: [float(len(c)) for c in completions],
                         args=args, train_dataset=prompt_dataset)
