@@ -102,8 +102,8 @@ def test_resume_from_checkpoint_gives_the_uninterrupted_weights(tmp_path, tiny_m
     first.train()  # writes checkpoint-2 and checkpoint-4
     checkpoint = tmp_path / "resumed" / "out" / "checkpoint-2"
     assert (checkpoint / "model.safetensors").is_file()
-    resumed = ESTrainer(
-        str(checkpoint),
+    resumed = ESTrainer(  # the original model: Trainer loads the checkpoint's weights, state and schedule
+        tiny_model_dir,
         even_token_share,
         args=config(tmp_path / "resumed", max_steps=4),
         train_dataset=prompt_dataset,

@@ -153,14 +153,21 @@ def test_report_to_tensorboard_and_log_completions(tmp_path, tiny_model_dir, pro
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     args = es_args(tmp_path, report_to="tensorboard", log_completions=True, population_size=4, max_steps=2)
-    ESTrainer(tiny_model_dir, lambda completion_ids, **kw: [float(ids[0] % 3) for ids in completion_ids],
-              args=args, train_dataset=prompt_dataset).train()
+
+    def first_token_mod_3(completion_ids, log_extra, log_metric, **kwargs):
+        log_extra("first_token", [ids[0] for ids in completion_ids])
+        log_metric("custom/first_token_mean", sum(ids[0] for ids in completion_ids) / len(completion_ids))
+        return [float(ids[0] % 3) for ids in completion_ids]
+
+    ESTrainer(tiny_model_dir, first_token_mod_3, args=args, train_dataset=prompt_dataset).train()
     events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents*")).parent))
     events.Reload()
     tags = events.Tags()["scalars"]
-    for tag in ("train/reward", "train/es/update_norm", "train/es/population_reward_std", "train/es/time/generate"):
+    for tag in ("train/reward", "train/es/update_norm", "train/es/population_reward_std", "train/es/time/generate",
+                "train/custom/first_token_mean"):
         assert tag in tags, tags
-    assert "Count to" in capsys.readouterr().out  # the completions table shows the prompts
+    table = capsys.readouterr().out
+    assert "Count to" in table and "first_token" in table  # prompts and the column logged with log_extra
 
 
 def test_push_to_hub_goes_through_trainer(tmp_path, tiny_model_dir, prompt_dataset, monkeypatch):

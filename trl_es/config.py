@@ -85,10 +85,10 @@ class ESConfig(TrainingArguments):
         },
     )
     noise_table_size: int = field(
-        default=1 << 25,
+        default=1 << 24,
         metadata={
             "help": "Number of float32 N(0,1) values in the shared noise table (Salimans et al. 2017) from which "
-            f"every member's noise is cut, in windows of {CHUNK} elements. 2**25 costs 128 MiB."
+            f"every member's noise is cut, in windows of {CHUNK} elements. 2**24 costs 64 MiB."
         },
     )
 

@@ -118,6 +118,11 @@ class ESTrainer(_BaseTrainer):
             processing_class=processing_class,
             callbacks=callbacks,
         )
+        if self.accelerator.num_processes > 1 or self.is_deepspeed_enabled:
+            raise NotImplementedError(
+                "ESTrainer runs in one process for now: splitting the population across processes (Accelerate, "
+                "DeepSpeed) is not implemented yet, and running unchanged would let the processes diverge."
+            )
         self.model.add_model_tags(self._tag_names)
         self.reward_functions.to(self.accelerator.device)
 
@@ -190,8 +195,10 @@ class ESTrainer(_BaseTrainer):
             logs.update({key: sum(values) / len(values) for key, values in self._metrics.items()})
             self._metrics.clear()
             if self.args.log_completions and self._last_completions and self.accelerator.is_main_process:
+                prompts, completions, rewards, extras = self._last_completions
                 print_prompt_completions_sample(
-                    *self._last_completions, None, self.state.global_step, self.args.num_completions_to_print
+                    prompts, completions, rewards, None, self.state.global_step, self.args.num_completions_to_print,
+                    extras or None,
                 )
         super().log(logs, start_time)
 
@@ -204,7 +211,7 @@ class ESTrainer(_BaseTrainer):
             return [(member_seed(seed, step, i // 2), 1 if i % 2 == 0 else -1) for i in range(n)]
         return [(member_seed(seed, step, i), 1) for i in range(n)]
 
-    def _sampling_seed(self, step: int, member: int) -> int:
+    def _sampling_seed(self, step: int, member: int | str) -> int:
         key = "common" if self.args.common_generation_seed else member
         return _hash64("es-sampling", self.args.seed, step, key) % (2**63)
 
@@ -221,13 +228,15 @@ class ESTrainer(_BaseTrainer):
                 p.detach().view(-1)[:: self._stride].to("cpu", torch.float32, copy=True) for p in self.es_params.values()
             ]
 
-    def _evaluate(self, rows, prompt_ids, sampling_seed):
-        """Generate for the current weights and score: (member reward R, per-function rewards, rollout)."""
+    def _evaluate(self, rows, prompt_ids, sampling_seed, extras=None):
+        """Generate with the current weights and score: (member reward R = mean completion reward, per-function
+        rewards of each completion, the rollout). Columns that reward functions log with `log_extra` go to `extras`."""
         timer = time.perf_counter()
         g = self.args.num_generations
         rollout = self.rollout.generate([row["prompt"] for row in rows], prompt_ids, g, sampling_seed)
         self._metrics["es/time/generate"].append(time.perf_counter() - timer)
         timer = time.perf_counter()
+        extras = defaultdict(list) if extras is None else extras
         per_func = self.reward_functions(
             [row for row in rows for _ in range(g)],
             rollout.prompts,
@@ -235,11 +244,11 @@ class ESTrainer(_BaseTrainer):
             rollout.completion_ids,
             trainer_state=self.state,
             log_metric=lambda name, value: self._metrics[name].append(value),
-            log_extra=lambda column, values: None,
+            log_extra=lambda column, values: extras[column].extend(values),
         )
-        rewards = self.reward_functions.combine(per_func)
+        reward = self.reward_functions.combine(per_func).nanmean().item()
         self._metrics["es/time/reward"].append(time.perf_counter() - timer)
-        return rewards.nanmean(), per_func, rewards, rollout
+        return reward, per_func, rollout
 
     def _es_step(self, rows: list[dict], step: int, learning_rate: float) -> None:
         """One ES step (DESIGN §2). On any exception, KeyboardInterrupt included, θ is restored bitwise."""
@@ -255,29 +264,25 @@ class ESTrainer(_BaseTrainer):
         try:
             center = None
             if args.es_baseline == "center":
-                center = self._evaluate(rows, prompt_ids, self._sampling_seed(step, "center"))[0].item()
+                center = self._evaluate(rows, prompt_ids, self._sampling_seed(step, "center"))[0]
             for i, (seed, sign) in enumerate(directions):
                 timer = time.perf_counter()
                 snapshot.perturb(table, seed, sign * args.sigma)
                 noise_time += time.perf_counter() - timer
-                reward, per_func, completion_rewards, rollout = self._evaluate(
-                    rows, prompt_ids, self._sampling_seed(step, i)
+                extras = defaultdict(list)
+                member_rewards[i], per_func, rollout = self._evaluate(
+                    rows, prompt_ids, self._sampling_seed(step, i), extras
                 )
-                member_rewards[i] = reward
                 all_func_rewards.append(per_func)
                 lengths += [len(ids) for ids in rollout.completion_ids]
                 truncated += rollout.truncated
-                if i == 0:
+                if i == 0:  # the completions table shows the first member
                     names = self.reward_functions.names
-                    self._last_completions = (
-                        rollout.prompts,
-                        rollout.completions,
-                        {n: per_func[:, k].tolist() for k, n in enumerate(names)},
-                    )
+                    rewards = {n: per_func[:, k].tolist() for k, n in enumerate(names)}
+                    self._last_completions = (rollout.prompts, rollout.completions, rewards, dict(extras))
             timer = time.perf_counter()
-            if center is not None and not torch.isnan(torch.tensor(center)):
-                member_rewards = member_rewards - center
-            fitness = shape_fitness(member_rewards, args.fitness_shaping)
+            baseline = center if center is not None and center == center else 0.0  # a NaN centre gives no baseline
+            fitness = shape_fitness(member_rewards - baseline, args.fitness_shaping)
             if fitness is None:
                 warnings.warn(
                     f"ES step {step}: the population rewards have no spread ({member_rewards.tolist()}); "
@@ -297,7 +302,6 @@ class ESTrainer(_BaseTrainer):
             snapshot.restore()
             raise
         if center is not None:
-            member_rewards = member_rewards + center
             self._metrics["es/center_reward"].append(center)
         self._log_step(member_rewards, all_func_rewards, lengths, truncated, update_norm, noise_time, update_time)
 
