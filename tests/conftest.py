@@ -46,6 +46,27 @@ def build_tiny_model(path, tokenizer_dir, dtype=torch.float32, seed=0):
     return str(path)
 
 
+def es_config(tmp_path, **overrides):
+    """A small, fast ESConfig for the tiny model; `overrides` replace any field."""
+    from trl_es import ESConfig
+
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        population_size=4,
+        sigma=0.02,
+        learning_rate=0.02,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=6,
+        max_steps=2,
+        seed=3,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    return ESConfig(**{**values, **overrides})
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer_dir):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", tokenizer_dir)

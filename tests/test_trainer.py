@@ -7,26 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from trl_es import ESConfig, ESTrainer
-
-
-def config(tmp_path, **overrides):
-    values = dict(
-        output_dir=str(tmp_path / "out"),
-        population_size=4,
-        sigma=0.02,
-        learning_rate=0.02,
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=6,
-        max_steps=2,
-        seed=3,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-    )
-    values.update(overrides)
-    return ESConfig(**values)
+from conftest import es_config as config
+from trl_es import ESTrainer
 
 
 def even_token_share(completion_ids, **kwargs):
@@ -44,8 +26,15 @@ def assert_same_weights(model, expected):
 
 
 def upper_vocab_share(completion_ids, **kwargs):
-    """Share of completion tokens from the upper half of the vocabulary; the tiny model starts near 0.16."""
+    """Share of completion tokens from the upper half of the vocabulary (the tiny model's greedy output: none)."""
     return [sum(t >= 24576 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def greedy_reward(trainer, dataset):
+    """Mean reward of the unperturbed model θ (not of the perturbed members) on `dataset`, greedy."""
+    prompts = list(dataset["prompt"])
+    rollout = trainer.rollout.generate(prompts, trainer.rollout.tokenize(prompts), num_generations=1, seed=0)
+    return sum(upper_vocab_share(rollout.completion_ids)) / len(prompts)
 
 
 def test_es_raises_the_reward(tmp_path, tiny_model_dir, prompt_dataset):
@@ -61,11 +50,10 @@ def test_es_raises_the_reward(tmp_path, tiny_model_dir, prompt_dataset):
         seed=0,
     )
     trainer = ESTrainer(tiny_model_dir, upper_vocab_share, args=args, train_dataset=prompt_dataset)
+    before = greedy_reward(trainer, prompt_dataset)
     trainer.train()
-    rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
-    assert len(rewards) == 10
-    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    assert last > first + 0.25, rewards
+    after = greedy_reward(trainer, prompt_dataset)
+    assert before < 0.3 and after > 0.7, (before, after)  # measured: 0.0 → 1.0 for seeds 0-3
 
 
 def test_same_seed_gives_bitwise_same_weights_and_logs(tmp_path, tiny_model_dir, prompt_dataset):

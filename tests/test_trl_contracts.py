@@ -13,24 +13,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from transformers.trainer_callback import TrainerState
 from trl import GRPOConfig, GRPOTrainer
 
-from trl_es import ESConfig, ESTrainer
+from conftest import es_config
+from trl_es import ESTrainer
 
 
 def es_args(tmp_path, **overrides):
-    values = dict(
-        output_dir=str(tmp_path / "es"),
-        population_size=2,
-        sigma=0.01,
-        per_device_train_batch_size=2,
-        num_generations=2,
-        max_completion_length=4,
-        max_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-    )
-    values.update(overrides)
-    return ESConfig(**values)
+    values = dict(output_dir=str(tmp_path / "es"), population_size=2, sigma=0.01, per_device_train_batch_size=2,
+                  max_completion_length=4, max_steps=1)
+    return es_config(tmp_path, **{**values, **overrides})
 
 
 def grpo_args(tmp_path):
