@@ -159,8 +159,9 @@ def test_half_precision_training_moves_weights(tmp_path, tiny_model_dir, prompt_
         (lambda completions, **kw: [1.0] * (len(completions) - 1), "returned 7 rewards, but 8 were expected"),
         (lambda completions, **kw: ["high"] * len(completions), "returned 'high'"),
         (lambda completions, **kw: 1.0, "returned a float"),
+        (lambda completions, **kw: [float("inf")] * len(completions), "returned inf at position 0"),
     ],
-    ids=["wrong-length", "non-number", "not-a-list"],
+    ids=["wrong-length", "non-number", "not-a-list", "infinite"],
 )
 def test_bad_reward_output_is_a_clear_error_and_weights_stay(tmp_path, tiny_model_dir, prompt_dataset, reward, message):
     reward.__name__ = "my_reward"
@@ -229,3 +230,24 @@ def test_antithetic_centered_rank_and_center_baseline_run(tmp_path, tiny_model_d
     logs = [log for log in trainer.state.log_history if "reward" in log]
     assert all("es/center_reward" in log for log in logs)
     assert logs[-1]["es/update_norm"] > 0
+
+
+def test_model_forms_model_init_kwargs_and_pad_token_fallback(tmp_path, tiny_model_dir, prompt_dataset):
+    from transformers import AutoTokenizer
+
+    trainer = ESTrainer(
+        tiny_model_dir,
+        even_token_share,
+        args=config(tmp_path, model_init_kwargs={"dtype": "bfloat16"}),
+        train_dataset=prompt_dataset,
+    )
+    assert trainer.model.dtype == torch.bfloat16
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.pad_token = None
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    trainer = ESTrainer(model, even_token_share, args=config(tmp_path), train_dataset=prompt_dataset,
+                        processing_class=tokenizer)
+    assert trainer.model is model and tokenizer.pad_token == tokenizer.eos_token
+    trainer.train()
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        ESTrainer(torch.nn.Linear(2, 2), even_token_share, args=config(tmp_path), train_dataset=prompt_dataset)

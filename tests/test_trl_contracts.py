@@ -208,3 +208,18 @@ def test_cli_trains_from_a_yaml_recipe(tmp_path, tiny_model_dir, prompt_dataset)
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )
     assert bad.returncode != 0 and "Unknown reward function 'nope'" in bad.stderr
+
+
+def test_example_recipe_parses_into_esconfig():
+    from trl import TrlParser
+
+    from trl_es.cli import ESScriptArguments
+    from trl_es.config import ESConfig
+
+    recipe = Path(__file__).parent.parent / "examples" / "recipe.yaml"
+    script_args, args = TrlParser((ESScriptArguments, ESConfig)).parse_args_and_config(
+        args=["--config", str(recipe), "--output_dir", "/tmp/unused"]
+    )
+    assert script_args.model_name_or_path == "smollm2" and script_args.reward_funcs == ["first_integer_reward"]
+    assert (args.population_size, args.sigma, args.learning_rate) == (8, 0.003, 0.002)
+    assert args.generation_kwargs == {"do_sample": False}

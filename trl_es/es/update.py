@@ -41,7 +41,9 @@ def apply_update(
     for name, p in snapshot.params.items():
         flat, base = p.data.view(-1), snapshot.copies[name].view(-1)
         windows = [list(member_noise(table, seed, name, flat.numel())) for seed in seeds]
-        buffer = buffers.setdefault(flat.device, torch.empty(CHUNK, dtype=torch.float32, device=flat.device))
+        if flat.device not in buffers:
+            buffers[flat.device] = torch.empty(CHUNK, dtype=torch.float32, device=flat.device)
+        buffer = buffers[flat.device]
         for k, (a, b, _) in enumerate(windows[0]):
             delta = buffer[: b - a].zero_()
             for coeff, member_windows in zip(coeffs, windows):
@@ -49,6 +51,6 @@ def apply_update(
             theta = base[a:b].to(flat.device)
             if decay:
                 delta.add_(theta, alpha=-decay)
-            squared_norm += float(delta.square().sum())
+            squared_norm += float(delta.dot(delta))
             torch.add(theta, delta, out=flat[a:b])
     return squared_norm**0.5

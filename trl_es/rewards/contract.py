@@ -37,12 +37,18 @@ RewardFunc = str | PreTrainedModel | Callable[..., list[float | None]]
 
 
 def _as_reward(value: Any, func_name: str, index: int) -> float:
-    """A returned reward as a float: None → NaN; anything that is not a real number is an error naming the function."""
+    """A returned reward as a float: None → NaN (as TRL); ±inf or anything not a real number is an error naming the
+    function, since one infinite reward would turn the whole update into NaN."""
     if value is None:
         return math.nan
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, numbers.Real):  # includes bool and numpy scalars
+        if math.isinf(value):
+            raise ValueError(
+                f"The reward function '{func_name}' returned {value} at position {index}; rewards must be finite "
+                "(return None to give a completion no reward)."
+            )
         return float(value)
     raise TypeError(
         f"The reward function '{func_name}' returned {value!r} (type {type(value).__name__}) at position {index}; "
