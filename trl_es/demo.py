@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from transformers import TrainerCallback
+from transformers import PrinterCallback, TrainerCallback
 
 
 def held_out_accuracy(trainer, dataset) -> float:
@@ -75,6 +75,7 @@ def main(argv=None):
         train_dataset=small_sums("train"),
         callbacks=[PrintReward()],
     )
+    trainer.remove_callback(PrinterCallback)  # PrintReward prints the lines that matter
     held_out = small_sums("test")
     before = held_out_accuracy(trainer, held_out)
     print(f"held-out accuracy before ES: {before:.3f} ({round(before * len(held_out))}/{len(held_out)})", flush=True)

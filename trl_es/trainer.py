@@ -259,8 +259,9 @@ class ESTrainer(_BaseTrainer):
         directions = self._member_directions(step)
         member_rewards = torch.full((len(directions),), float("nan"), dtype=torch.float64)
         all_func_rewards, lengths, truncated = [], [], []
-        noise_time = 0.0
+        timer = time.perf_counter()
         snapshot.capture()
+        noise_time = time.perf_counter() - timer  # the copy of θ counts with the perturbations
         try:
             center = None
             if args.es_baseline == "center":
