@@ -48,6 +48,15 @@ def test_noise_keyed_by_name_and_member_and_reproducible(table):
     assert abs(a.mean().item()) < 0.1 and abs(a.std().item() - 1) < 0.1
 
 
+def test_member_noise_is_views_of_the_table_nothing_is_allocated(table):
+    start, end = table.values.data_ptr(), table.values.data_ptr() + table.size * 4
+    windows = list(member_noise(table, 5, "big", CHUNK + 1000))
+    assert len(windows) == 2
+    for _, _, window in windows:
+        assert window.untyped_storage().data_ptr() == table.values.untyped_storage().data_ptr()
+        assert start <= window.data_ptr() < end
+
+
 def test_noise_of_a_shard_is_the_slice_of_the_full_noise(table):
     numel = CHUNK + 5000
     full = full_noise(table, 7, "big", numel)
@@ -143,3 +152,11 @@ def test_update_is_accumulated_in_fp32_and_cast_once(table, dtype):
     assert norm == pytest.approx(math.sqrt(squared), rel=1e-4)
     for name in params:  # the snapshot still holds θ, so an interrupted update can be undone
         assert torch.equal(snapshot.copies[name], theta[name])
+
+
+def test_the_algorithm_layer_imports_without_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, trl_es.es; assert 'transformers' not in sys.modules and 'trl' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

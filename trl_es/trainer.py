@@ -213,7 +213,7 @@ class ESTrainer(_BaseTrainer):
 
     def _sampling_seed(self, step: int, member: int | str) -> int:
         key = "common" if self.args.common_generation_seed else member
-        return _hash64("es-sampling", self.args.seed, step, key) % (2**63)
+        return _hash64("es-sampling", self.args.seed, step, key)
 
     def _prepare_es_state(self):
         device = next(iter(self.es_params.values())).device
