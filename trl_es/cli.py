@@ -3,7 +3,6 @@
     trl-es es --config examples/recipe.yaml [--flag value ...]   # ES training, TrlParser style (YAML + overrides)
     trl-es demo [--steps 12]                                      # the README demo on SmolLM2-135M-Instruct
 
-Under several processes: `accelerate launch ... -m trl_es.cli es --config recipe.yaml`.
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ class ESTrainer(_BaseTrainer):
         try:
             return super().train(*args, **kwargs)
         finally:
-            self._snapshot = None  # free the host copy of θ
+            self._snapshot = self._noise_table = None  # free the copy of θ and the table (rebuilt from the seed)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         logs = {k: v for k, v in logs.items() if k not in ("loss", "grad_norm")}
