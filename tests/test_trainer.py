@@ -205,6 +205,12 @@ def test_dataset_without_prompt_column_is_refused(tmp_path, tiny_model_dir, prom
         ESTrainer(tiny_model_dir, even_token_share, args=config(tmp_path), train_dataset=prompt_dataset.rename_column("prompt", "question"))
     with pytest.raises(ValueError, match="reward"):
         ESTrainer(tiny_model_dir, [], args=config(tmp_path), train_dataset=prompt_dataset)
+    from datasets import Dataset
+
+    for prompts, message in (([3, 4], "row 0 holds int"), ([[{"text": "hi"}]], "row 0 holds list"), ([], "empty")):
+        bad = Dataset.from_dict({"prompt": prompts}) if prompts else prompt_dataset.select([])
+        with pytest.raises(ValueError, match=message):
+            ESTrainer(tiny_model_dir, even_token_share, args=config(tmp_path), train_dataset=bad)
 
 
 def test_parameter_patterns_restrict_what_moves(tmp_path, tiny_model_dir, prompt_dataset):

@@ -160,6 +160,18 @@ class ESTrainer(_BaseTrainer):
         columns = getattr(dataset, "column_names", None)
         if columns is not None and "prompt" not in columns:
             raise ValueError(f"`train_dataset` has no 'prompt' column (columns: {columns})")
+        if isinstance(dataset, Dataset):
+            if len(dataset) == 0:
+                raise ValueError("`train_dataset` is empty")
+            prompt = dataset[0]["prompt"]
+            is_messages = isinstance(prompt, list) and all(
+                isinstance(m, dict) and {"role", "content"} <= m.keys() for m in prompt
+            )
+            if not (isinstance(prompt, str) or (is_messages and prompt)):
+                raise ValueError(
+                    "each 'prompt' must be text or a list of {'role', 'content'} messages; row 0 holds "
+                    f"{type(prompt).__name__}: {prompt!r:.80}"
+                )
 
     # ---- Trainer plumbing -------------------------------------------------------------------------------------
 
