@@ -45,8 +45,10 @@ class ESScriptArguments:
 
 
 def _import(dotted: str):
+    """`package.module.name` → the object; modules in the working directory are importable, as in TRL's scripts."""
     module_path, name = dotted.rsplit(".", 1)
-    sys.path.insert(0, os.getcwd())
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     return getattr(importlib.import_module(module_path), name)
 
 
@@ -57,7 +59,7 @@ def load_reward_funcs(names: list[str], reward_model: str | None = None) -> list
     for name in names:
         if name in BUILTIN_REWARDS:
             funcs.append(_import(BUILTIN_REWARDS[name]))
-        elif hasattr(trl.rewards, name) and "." not in name:
+        elif hasattr(trl.rewards, name):
             funcs.append(getattr(trl.rewards, name))
         elif "." in name:
             try:

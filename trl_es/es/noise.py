@@ -43,15 +43,10 @@ class NoiseTable:
             raise ValueError(f"noise table size must be at least {CHUNK} (one chunk), got {size}")
         generator = torch.Generator().manual_seed(_hash64("es-noise-table", seed))
         self.values = torch.randn(size, generator=generator, dtype=torch.float32).to(device)
-        self.seed = seed
 
     @property
     def size(self) -> int:
         return self.values.numel()
-
-    def to(self, device: torch.device | str) -> NoiseTable:
-        self.values = self.values.to(device)
-        return self
 
 
 def member_noise(
