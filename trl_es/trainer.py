@@ -8,13 +8,16 @@ the Hub; its optimizer is a placeholder that only carries the learning-rate sche
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
 from collections import defaultdict
 
 import torch
+from accelerate.data_loader import BatchSamplerShard
 from datasets import Dataset, IterableDataset
+from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 from trl.trainer.base_trainer import _BaseTrainer
@@ -30,6 +33,7 @@ from .config import ESConfig
 from .es import NoiseTable, ParameterSnapshot, apply_update, member_seed, select_parameters, shape_fitness
 from .es.noise import _hash64
 from .es.update import update_coefficients
+from .population import all_reduce_summaries, local_slots, population_metrics, summarize, summary_width
 from .rewards import RewardFunctions
 from .rollout import TransformersRollout
 
@@ -118,11 +122,18 @@ class ESTrainer(_BaseTrainer):
             processing_class=processing_class,
             callbacks=callbacks,
         )
-        if self.accelerator.num_processes > 1 or self.is_deepspeed_enabled:
-            raise NotImplementedError(
-                "ESTrainer runs in one process for now: splitting the population across processes (Accelerate, "
-                "DeepSpeed) is not implemented yet, and running unchanged would let the processes diverge."
+        if self.is_deepspeed_enabled:
+            raise NotImplementedError("ESTrainer does not run under DeepSpeed yet")
+        n_slots = args.population_size + (args.es_baseline == "center")
+        if self.accelerator.num_processes > n_slots:
+            logger.warning(
+                f"{self.accelerator.num_processes} processes for {n_slots} evaluations per step (population and "
+                f"centre): {self.accelerator.num_processes - n_slots} processes will only wait. Use at most "
+                f"{n_slots} processes or a larger population_size."
             )
+        # ES never back-propagates: Trainer's `accelerator.prepare(model)` prepares the model as for evaluation, so
+        # it is not wrapped in DistributedDataParallel, whose gradient buckets would cost a second copy of θ.
+        self.accelerator.prepare_model = functools.partial(self.accelerator.prepare_model, evaluation_mode=True)
         self.model.add_model_tags(self._tag_names)
         self.reward_functions.to(self.accelerator.device)
 
@@ -152,6 +163,7 @@ class ESTrainer(_BaseTrainer):
         self._start_sample = None
         self._metrics = defaultdict(list)
         self._last_completions = None
+        self._completions_step = None
 
     @staticmethod
     def _check_dataset(dataset):
@@ -194,6 +206,20 @@ class ESTrainer(_BaseTrainer):
         learning_rate = self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else self.args.learning_rate
         self._es_step(inputs, self.state.global_step, learning_rate)
         return torch.zeros((), device=self.args.device)
+
+    def get_train_dataloader(self):
+        """Every process reads the same prompts: the population is split across processes, not the data. So the
+        step's prompts are `per_device_train_batch_size` rows whatever the number of processes."""
+        if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
+            # Iterated identically on every process (no Accelerate sharding or dispatching).
+            return DataLoader(
+                self.train_dataset, batch_size=self._train_batch_size, collate_fn=self.data_collator,
+                num_workers=self.args.dataloader_num_workers,
+            )
+        dataloader = super().get_train_dataloader()
+        if isinstance(dataloader.batch_sampler, BatchSamplerShard):  # undo Accelerate's per-process sharding
+            dataloader.batch_sampler.num_processes, dataloader.batch_sampler.process_index = 1, 0
+        return dataloader
 
     def train(self, *args, **kwargs):
         try:
@@ -263,37 +289,67 @@ class ESTrainer(_BaseTrainer):
         return reward, per_func, rollout
 
     def _es_step(self, rows: list[dict], step: int, learning_rate: float) -> None:
-        """One ES step (DESIGN §2). On any exception, KeyboardInterrupt included, θ is restored bitwise."""
-        args = self.args
+        """One ES step (DESIGN §2), this process evaluating its share of the population (`trl_es.population`).
+
+        On any exception, KeyboardInterrupt included, θ is restored bitwise. A failure on one process is reported to
+        all at the all-reduce, so every process restores θ and raises instead of waiting for the others.
+        """
+        args, accelerator = self.args, self.accelerator
         self._prepare_es_state()
         snapshot, table = self._snapshot, self._noise_table
         prompt_ids = self.rollout.tokenize([row["prompt"] for row in rows])
         directions = self._member_directions(step)
-        member_rewards = torch.full((len(directions),), float("nan"), dtype=torch.float64)
-        all_func_rewards, lengths, truncated = [], [], []
+        slots = (["center"] if args.es_baseline == "center" else []) + list(range(len(directions)))
+        summaries = torch.zeros(len(slots), summary_width(len(self.reward_functions.names)), dtype=torch.float64)
         timer = time.perf_counter()
         snapshot.capture()
         noise_time = time.perf_counter() - timer  # the copy of θ counts with the perturbations
         try:
-            center = None
-            if args.es_baseline == "center":
-                center = self._evaluate(rows, prompt_ids, self._sampling_seed(step, "center"))[0]
-            for i, (seed, sign) in enumerate(directions):
-                timer = time.perf_counter()
-                snapshot.perturb(table, seed, sign * args.sigma)
-                noise_time += time.perf_counter() - timer
-                extras = defaultdict(list)
-                member_rewards[i], per_func, rollout = self._evaluate(
-                    rows, prompt_ids, self._sampling_seed(step, i), extras
-                )
-                all_func_rewards.append(per_func)
-                lengths += [len(ids) for ids in rollout.completion_ids]
-                truncated += rollout.truncated
-                if i == 0:  # the completions table shows the first member
-                    names = self.reward_functions.names
-                    rewards = {n: per_func[:, k].tolist() for k, n in enumerate(names)}
-                    self._last_completions = (rollout.prompts, rollout.completions, rewards, dict(extras))
+            error = None
+            try:
+                for s in local_slots(len(slots), accelerator.process_index, accelerator.num_processes):
+                    slot = slots[s]  # the centre, if any, is slot 0 and is evaluated before any perturbation
+                    if slot != "center":
+                        timer = time.perf_counter()
+                        seed, sign = directions[slot]
+                        snapshot.perturb(table, seed, sign * args.sigma)
+                        noise_time += time.perf_counter() - timer
+                    extras = defaultdict(list)
+                    reward, per_func, rollout = self._evaluate(rows, prompt_ids, self._sampling_seed(step, slot), extras)
+                    rewards = torch.cat([self.reward_functions.combine(per_func)[:, None], per_func], dim=1)
+                    lengths = [len(ids) for ids in rollout.completion_ids]
+                    summaries[s] = summarize(reward, rewards, lengths, rollout.truncated)
+                    if slot != "center" and self._completions_step != step:  # the table shows this process's first member
+                        names = self.reward_functions.names
+                        table_rewards = {n: per_func[:, k].tolist() for k, n in enumerate(names)}
+                        self._last_completions = (rollout.prompts, rollout.completions, table_rewards, dict(extras))
+                        self._completions_step = step
+            except Exception as exc:  # reported to the other processes below, then raised
+                error = exc
             timer = time.perf_counter()
+            try:
+                summaries, failed = all_reduce_summaries(
+                    summaries, error is not None, accelerator.device, args.ddp_timeout
+                )
+            except RuntimeError as exc:  # torch.distributed timeouts and lost peers are RuntimeErrors
+                raise RuntimeError(
+                    f"ES step {step}: process {accelerator.process_index} of {accelerator.num_processes} gave up "
+                    f"waiting for the other processes' rewards (ddp_timeout={args.ddp_timeout} s): another process "
+                    "hung, died or was killed. This process's weights are restored to the start of the step; "
+                    "resume from the last checkpoint."
+                ) from exc
+            communication_time = time.perf_counter() - timer
+            if error is not None:
+                raise error
+            if failed:
+                raise RuntimeError(
+                    f"ES step {step}: process(es) {failed} failed while evaluating their members (their traceback "
+                    "says why); the weights are restored on every process."
+                )
+            timer = time.perf_counter()
+            first_member = len(slots) - len(directions)
+            member_rewards = summaries[first_member:, 0]
+            center = summaries[0, 0].item() if first_member else None
             baseline = center if center is not None and center == center else 0.0  # a NaN centre gives no baseline
             fitness = shape_fitness(member_rewards - baseline, args.fitness_shaping)
             if fitness is None:
@@ -314,35 +370,22 @@ class ESTrainer(_BaseTrainer):
         except BaseException:
             snapshot.restore()
             raise
+        metrics = self._metrics
         if center is not None:
-            self._metrics["es/center_reward"].append(center)
-        self._log_step(member_rewards, all_func_rewards, lengths, truncated, update_norm, noise_time, update_time)
-
-    def _log_step(self, member_rewards, func_rewards, lengths, truncated, update_norm, noise_time, update_time):
-        metrics, names = self._metrics, self.reward_functions.names
-        func_rewards = torch.cat(func_rewards)
-        completion_rewards = self.reward_functions.combine(func_rewards)
+            metrics["es/center_reward"].append(center)
+        for name, value in population_metrics(summaries[first_member:], self.reward_functions.names).items():
+            metrics[name].append(value)
         valid = member_rewards[~torch.isnan(member_rewards)]
-        metrics["reward"].append(completion_rewards.nanmean().item())
-        metrics["reward_std"].append(completion_rewards[~torch.isnan(completion_rewards)].std().nan_to_num().item())
-        for k, name in enumerate(names):
-            column = func_rewards[:, k]
-            metrics[f"rewards/{name}/mean"].append(column.nanmean().item())
-            metrics[f"rewards/{name}/std"].append(column[~torch.isnan(column)].std().nan_to_num().item())
-        lengths_t = torch.tensor(lengths, dtype=torch.float32)
-        metrics["completions/mean_length"].append(lengths_t.mean().item())
-        metrics["completions/min_length"].append(lengths_t.min().item())
-        metrics["completions/max_length"].append(lengths_t.max().item())
-        metrics["completions/clipped_ratio"].append(sum(truncated) / len(truncated))
         if valid.numel():
             metrics["es/population_reward_min"].append(valid.min().item())
             metrics["es/population_reward_max"].append(valid.max().item())
             metrics["es/population_reward_std"].append(valid.std(unbiased=False).item())
-        metrics["es/sigma"].append(self.args.sigma)
+        metrics["es/sigma"].append(args.sigma)
         metrics["es/update_norm"].append(update_norm)
         metrics["es/rel_distance_from_start"].append(self._distance_from_start())
         metrics["es/time/noise"].append(noise_time)
         metrics["es/time/update"].append(update_time)
+        metrics["es/time/communication"].append(communication_time)
 
     def _distance_from_start(self) -> float:
         """‖θ − θ₀‖/‖θ₀‖ over every k-th element of θ (k = `self._stride`)."""

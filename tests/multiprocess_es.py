@@ -1,0 +1,89 @@
+"""A user script calling ESTrainer, launched by the multi-process tests with `accelerate launch` (and by plain
+`python` for the 1-process reference).
+
+    [ES_TEST_FAULT=raise|hang|kill] python multiprocess_es.py MODEL_DIR OUT_DIR '{"max_steps": 3, ...}'
+
+Trains the tiny model on the counting prompts with `upper_vocab_share` (greedy) and writes, per process,
+`weights-rank{r}.pt` (every parameter), the model (saved by the main process) and `result-rank{r}.json` (log history, or the error and whether θ was
+restored). ES_TEST_FAULT makes process 1 misbehave at step 1: `raise` (its reward function raises), `hang` (it sleeps past
+`ddp_timeout`), `kill` (it kills itself with SIGKILL).
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+
+from trl_es import ESConfig, ESTrainer
+
+FAULT = os.environ.get("ES_TEST_FAULT")
+
+
+def upper_vocab_share(completion_ids, trainer_state, **kwargs):
+    """Share of completion tokens from the upper half of the vocabulary; process 1 misbehaves when asked."""
+    rank = int(os.environ.get("RANK", "0"))
+    if FAULT and rank == 1 and trainer_state.global_step == 1:
+        if FAULT == "raise":
+            raise RuntimeError("reward server unreachable")
+        if FAULT == "hang":
+            time.sleep(60)
+        if FAULT == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+    return [sum(t >= 24576 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+class StepStartWeights(TrainerCallback):
+    """Keeps θ as it was at the start of the latest step, to check restoring after a failure."""
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        self.weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def main():
+    model_dir, out_dir, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    prompts = [f"Count to {n}:" for n in range(1, 9)]
+    dataset = Dataset.from_dict({"prompt": prompts})
+    values = dict(
+        output_dir=out_dir,
+        population_size=5,
+        es_baseline="center",
+        sigma=0.01,
+        learning_rate=0.01,
+        per_device_train_batch_size=4,
+        num_generations=1,
+        max_completion_length=6,
+        generation_kwargs={"do_sample": False},
+        max_steps=3,
+        seed=0,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=True,
+    )
+    resume = overrides.pop("resume_from_checkpoint", None)
+    args = ESConfig(**{**values, **overrides})
+    watcher = StepStartWeights()
+    trainer = ESTrainer(model_dir, upper_vocab_share, args=args, train_dataset=dataset, callbacks=[watcher])
+    rank = trainer.accelerator.process_index
+    result = {"num_processes": trainer.accelerator.num_processes}
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+        trainer.save_model()
+        result["log_history"] = trainer.state.log_history
+    except Exception as error:
+        result["error"] = f"{type(error).__name__}: {error}"
+        result["restored"] = all(torch.equal(p, watcher.weights[n]) for n, p in trainer.model.named_parameters())
+    torch.save({n: p.detach() for n, p in trainer.model.named_parameters()}, f"{out_dir}/weights-rank{rank}.pt")
+    with open(f"{out_dir}/result-rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    if "error" in result:
+        sys.exit(3)
+
+
+if __name__ == "__main__":
+    main()

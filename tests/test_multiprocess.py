@@ -1,0 +1,147 @@
+"""K processes give the same model as one: real `accelerate launch` with 2 CPU processes (gloo), and faults.
+
+The launch line is the one that really starts two CPU processes here (MACHINE_NOTES.md): `--multi_gpu` with
+`use_cpu=True` in the config. Each launch costs ~20 s of start-up (imports, gloo), hence `slow`.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from conftest import build_tiny_model
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).parent / "multiprocess_es.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerate_launch(num_processes: int, *command: str, extra: tuple = (), cwd=None, env=None):
+    launch = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes),
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(free_port()), *extra,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), **(env or {})}
+    return subprocess.run([*launch, *command], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+
+
+def run_script(out_dir: Path, model_dir: str, overrides: dict, fault: str | None = None, num_processes: int = 2):
+    out_dir.mkdir(parents=True, exist_ok=True)
+    arguments = [str(SCRIPT), model_dir, str(out_dir), json.dumps(overrides)]
+    env = {"ES_TEST_FAULT": fault} if fault else {}
+    if num_processes == 1:
+        return subprocess.run([sys.executable, *arguments], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, **env})
+    return accelerate_launch(num_processes, *arguments, env=env)
+
+
+def results(out_dir: Path) -> dict[int, dict]:
+    return {int(p.stem.split("rank")[1]): json.loads(p.read_text()) for p in out_dir.glob("result-rank*.json")}
+
+
+def rank_weights(out_dir: Path, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(out_dir / f"weights-rank{rank}.pt")
+
+
+def assert_equal_weights(actual: dict, expected: dict):
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(actual[name], expected[name]), name
+
+
+REWARD_METRICS = ("reward", "reward_std", "rewards/upper_vocab_share/mean", "es/center_reward",
+                  "es/population_reward_min", "es/population_reward_max", "es/population_reward_std",
+                  "completions/mean_length", "completions/clipped_ratio")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer_dir):
+    return build_tiny_model(tmp_path_factory.mktemp("mp") / "model", tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, model_dir):
+    """The reference: the same seeded 3-step training in one plain process."""
+    out = tmp_path_factory.mktemp("one")
+    result = run_script(out, model_dir, {}, num_processes=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_two_processes_give_the_one_process_weights_and_logged_rewards(tmp_path, model_dir, one_process):
+    # 5 members + the centre on 2 processes: 3 evaluations each (N is not a multiple of K).
+    result = run_script(tmp_path, model_dir, {})
+    assert result.returncode == 0, result.stderr[-3000:]
+    reference, runs = results(one_process)[0], results(tmp_path)
+    assert {r: run["num_processes"] for r, run in runs.items()} == {0: 2, 1: 2}
+    expected = rank_weights(one_process, 0)
+    assert not torch.equal(expected["model.embed_tokens.weight"], AutoModelForCausalLM.from_pretrained(model_dir).model.embed_tokens.weight)
+    for rank in (0, 1):
+        assert_equal_weights(rank_weights(tmp_path, rank), expected)
+    steps = [entry for entry in runs[0]["log_history"] if "reward" in entry]
+    reference_steps = [entry for entry in reference["log_history"] if "reward" in entry]
+    assert len(steps) == len(reference_steps) == 3
+    assert len({entry["reward"] for entry in steps}) > 1  # the rewards move, so equality means something
+    for entry, ref in zip(steps, reference_steps):
+        assert {k: entry[k] for k in REWARD_METRICS} == {k: ref[k] for k in REWARD_METRICS}
+        # ‖Δθ‖ and distances are float reductions: equal up to the thread count's summation order.
+        assert entry["es/update_norm"] == pytest.approx(ref["es/update_norm"], rel=1e-5)
+    # the model is saved once, by the main process, and equals the weights of every rank
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert_equal_weights({n: p for n, p in saved.named_parameters()}, expected)
+
+
+def test_cli_under_accelerate_launch_matches_one_process(tmp_path, model_dir, one_process):
+    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"Count to {n}:"}) for n in range(1, 9)))
+    (tmp_path / "recipe.yaml").write_text(
+        f"model_name_or_path: {model_dir}\ndataset_name: prompts.jsonl\n"
+        "reward_funcs: [multiprocess_es.upper_vocab_share]\noutput_dir: cli-out\npopulation_size: 5\n"
+        "es_baseline: center\nsigma: 0.01\nlearning_rate: 0.01\nper_device_train_batch_size: 4\nnum_generations: 1\n"
+        "max_completion_length: 6\ngeneration_kwargs: {do_sample: false}\nmax_steps: 3\nseed: 0\n"
+        "save_strategy: 'no'\nreport_to: none\nuse_cpu: true\n"
+    )
+    result = accelerate_launch(2, "-m", "trl_es.cli", "es", "--config", "recipe.yaml", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "cli-out")
+    assert_equal_weights({n: p for n, p in saved.named_parameters()}, rank_weights(one_process, 0))
+
+
+def test_a_reward_error_on_one_process_stops_every_process_with_weights_restored(tmp_path, model_dir):
+    result = run_script(tmp_path, model_dir, {}, fault="raise")
+    assert result.returncode != 0
+    runs = results(tmp_path)
+    assert runs[1]["error"] == "RuntimeError: reward server unreachable"
+    assert "process(es) [1] failed" in runs[0]["error"]
+    assert runs[0]["restored"] and runs[1]["restored"]  # θ as at the start of the failed step, bitwise
+
+
+def test_a_hung_process_gives_a_timeout_error_naming_the_rank(tmp_path, model_dir):
+    result = run_script(tmp_path, model_dir, {"ddp_timeout": 5}, fault="hang")  # process 1 sleeps 60 s
+    assert result.returncode != 0
+    run = results(tmp_path)[0]
+    assert "process 0 of 2 gave up waiting" in run["error"] and "ddp_timeout=5" in run["error"]
+    assert run["restored"]
+
+
+def test_a_killed_process_leaves_a_loadable_checkpoint_and_resume_with_two_processes(tmp_path, model_dir, one_process):
+    killed = run_script(tmp_path / "killed", model_dir, {"save_strategy": "steps", "save_steps": 1}, fault="kill")
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr
+    checkpoint = tmp_path / "killed" / "checkpoint-1"
+    assert sorted(p.name for p in (tmp_path / "killed").glob("checkpoint-*")) == ["checkpoint-1"]
+    AutoModelForCausalLM.from_pretrained(checkpoint)  # loadable
+    resumed = run_script(tmp_path / "killed", model_dir, {"resume_from_checkpoint": str(checkpoint)})
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for rank in (0, 1):
+        assert_equal_weights(rank_weights(tmp_path / "killed", rank), rank_weights(one_process, 0))
