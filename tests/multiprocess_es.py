@@ -9,6 +9,7 @@ restored). ES_TEST_FAULT makes process 1 misbehave at step 1: `raise` (its rewar
 `ddp_timeout`), `kill` (it kills itself with SIGKILL).
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -77,8 +78,17 @@ def main():
         result["log_history"] = trainer.state.log_history
     except Exception as error:
         result["error"] = f"{type(error).__name__}: {error}"
-        result["restored"] = all(torch.equal(p, watcher.weights[n]) for n, p in trainer.model.named_parameters())
-    torch.save({n: p.detach() for n, p in trainer.model.named_parameters()}, f"{out_dir}/weights-rank{rank}.pt")
+        start = getattr(watcher, "weights", None)  # None: it failed before the first step
+        result["restored"] = start is not None and all(torch.equal(p, start[n]) for n, p in trainer.model.named_parameters())
+    params = dict(trainer.model.named_parameters())
+    result["zero3_partitioned"] = zero3 = hasattr(next(iter(params.values())), "ds_id")
+    gathered = contextlib.nullcontext()
+    if zero3:  # θ is partitioned across the processes: gather it to compare it
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(list(params.values()))
+    with gathered:
+        torch.save({n: p.detach().clone() for n, p in params.items()}, f"{out_dir}/weights-rank{rank}.pt")
     with open(f"{out_dir}/result-rank{rank}.json", "w") as f:
         json.dump(result, f)
     if "error" in result:

@@ -19,6 +19,7 @@ from conftest import build_tiny_model
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).parent / "multiprocess_es.py"
+EXTENSIONS = Path(__file__).parents[1] / "build" / "torch_extensions"
 
 
 def free_port() -> int:
@@ -27,24 +28,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def accelerate_launch(num_processes: int, *command: str, extra: tuple = (), cwd=None, env=None):
+def accelerate_launch(num_processes: int, *command: str, backend=("--multi_gpu",), cwd=None, env=None):
     launch = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes),
+        sys.executable, "-m", "accelerate.commands.launch", *backend, "--num_processes", str(num_processes),
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(free_port()), *extra,
+        "--main_process_port", str(free_port()),
     ]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), **(env or {})}
     return subprocess.run([*launch, *command], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
 
 
-def run_script(out_dir: Path, model_dir: str, overrides: dict, fault: str | None = None, num_processes: int = 2):
+def run_script(out_dir: Path, model_dir: str, overrides: dict, fault=None, num_processes=2, backend=("--multi_gpu",)):
     out_dir.mkdir(parents=True, exist_ok=True)
     arguments = [str(SCRIPT), model_dir, str(out_dir), json.dumps(overrides)]
     env = {"ES_TEST_FAULT": fault} if fault else {}
     if num_processes == 1:
         return subprocess.run([sys.executable, *arguments], capture_output=True, text=True, timeout=300,
                               env={**os.environ, **env})
-    return accelerate_launch(num_processes, *arguments, env=env)
+    if "--use_deepspeed" in backend:  # DeepSpeed on CPU; its communication op is JIT-built once into build/
+        env |= {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(EXTENSIONS))}
+    return accelerate_launch(num_processes, *arguments, backend=backend, env=env)
 
 
 def results(out_dir: Path) -> dict[int, dict]:
@@ -145,3 +148,25 @@ def test_a_killed_process_leaves_a_loadable_checkpoint_and_resume_with_two_proce
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for rank in (0, 1):
         assert_equal_weights(rank_weights(tmp_path / "killed", rank), rank_weights(one_process, 0))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_two_processes_give_the_one_process_weights(tmp_path, model_dir, one_process, stage):
+    zero = ("--use_deepspeed", "--zero_stage", str(stage))
+    result = run_script(tmp_path, model_dir, {"save_strategy": "steps", "save_steps": 2}, backend=zero)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = results(tmp_path)
+    assert {r: run["zero3_partitioned"] for r, run in runs.items()} == {0: stage == 3, 1: stage == 3}
+    steps = [entry["reward"] for entry in runs[0]["log_history"] if "reward" in entry]
+    assert steps == [entry["reward"] for entry in results(one_process)[0]["log_history"] if "reward" in entry]
+    expected = rank_weights(one_process, 0)
+    for rank in (0, 1):
+        assert_equal_weights(rank_weights(tmp_path, rank), expected)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path)  # HF names and full tensors, gathered under ZeRO-3
+    assert_equal_weights({n: p for n, p in saved.named_parameters()}, expected)
+    if stage == 3:  # resume from the checkpoint saved at step 2 under ZeRO-3
+        resumed = tmp_path / "resumed"
+        checkpoint = str(tmp_path / "checkpoint-2")
+        result = run_script(resumed, model_dir, {"resume_from_checkpoint": checkpoint}, backend=zero)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert_equal_weights(rank_weights(resumed, 0), expected)

@@ -8,7 +8,7 @@ the Hub; its optimizer is a placeholder that only carries the learning-rate sche
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import os
 import time
 import warnings
@@ -20,6 +20,7 @@ from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
+from trl.models.utils import prepare_deepspeed, unwrap_model_for_generation
 from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import (
     create_model_from_path,
@@ -122,8 +123,6 @@ class ESTrainer(_BaseTrainer):
             processing_class=processing_class,
             callbacks=callbacks,
         )
-        if self.is_deepspeed_enabled:
-            raise NotImplementedError("ESTrainer does not run under DeepSpeed yet")
         n_slots = args.population_size + (args.es_baseline == "center")
         if self.accelerator.num_processes > n_slots:
             logger.warning(
@@ -131,9 +130,10 @@ class ESTrainer(_BaseTrainer):
                 f"centre): {self.accelerator.num_processes - n_slots} processes will only wait. Use at most "
                 f"{n_slots} processes or a larger population_size."
             )
-        # ES never back-propagates: Trainer's `accelerator.prepare(model)` prepares the model as for evaluation, so
-        # it is not wrapped in DistributedDataParallel, whose gradient buckets would cost a second copy of θ.
-        self.accelerator.prepare_model = functools.partial(self.accelerator.prepare_model, evaluation_mode=True)
+        # Under DeepSpeed, ESTrainer prepares the model itself (`_prepare_for_training`): Trainer's DeepSpeed paths
+        # build a training engine, save engine checkpoints and gather through it, none of which applies to ES.
+        self._zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
+        self.is_deepspeed_enabled = False
         self.model.add_model_tags(self._tag_names)
         self.reward_functions.to(self.accelerator.device)
 
@@ -198,6 +198,60 @@ class ESTrainer(_BaseTrainer):
             self._lr_holder = torch.nn.Parameter(torch.zeros((), device=self.args.device))
             self.optimizer = torch.optim.SGD([self._lr_holder], lr=self.args.learning_rate)
         return self.optimizer
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        """Trainer's hook (transformers 5.16–5.19) that wraps the model and builds the optimizer and scheduler.
+
+        ES never back-propagates, so the model is wrapped neither in DistributedDataParallel (whose gradient buckets
+        would cost a second copy of θ) nor in a DeepSpeed training engine (whose optimizer would hold state). Under
+        ZeRO-3 an inference engine (TRL's `prepare_deepspeed`, as for GRPO's reference model) partitions θ across
+        processes; ZeRO-1/2 partition optimizer state and gradients, which ES does not have, so they run unwrapped.
+        """
+        if self._created_lr_scheduler:
+            self.lr_scheduler, self._created_lr_scheduler = None, False
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps=max_steps, optimizer=self.optimizer)
+        if self._zero_stage == 3:
+            if self.model_wrapped is self.model:
+                self.model_wrapped = prepare_deepspeed(self.model, self.accelerator)
+        else:
+            self.model.to(self.args.device)
+        if resume_from_checkpoint is not None:
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        return self.model_wrapped, train_dataloader
+
+    def _full_parameters(self):
+        """Context in which every process holds all of θ. Under ZeRO-3 θ is gathered: through the engine with TRL's
+        `unwrap_model_for_generation` (which also lifts ZeRO-3's forward hooks), or, before the engine exists, with
+        DeepSpeed's `GatheredParameters` (parameters partitioned at load by `zero.Init`). Otherwise nothing to do."""
+        if self._zero_stage != 3:
+            return contextlib.nullcontext()
+        if self.model_wrapped is not self.model:
+            return unwrap_model_for_generation(self.model_wrapped, self.accelerator)
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.model.parameters()))
+
+    @torch.no_grad()
+    def _write_shards(self, params):
+        """ZeRO-3: copy this process's slice of each (gathered, changed) parameter into its partition, which is what
+        remains when θ is released. DeepSpeed partitions the flattened parameter evenly by rank."""
+        rank = self.accelerator.process_index
+        for p in params:
+            if not hasattr(p, "ds_tensor"):
+                continue
+            size = p.ds_tensor.numel()
+            start, end = rank * size, min((rank + 1) * size, p.ds_numel)
+            if end > start:
+                p.ds_tensor.data[: end - start].copy_(p.data.view(-1)[start:end])
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """Trainer's checkpoint loading; under ZeRO-3 every process loads into the gathered θ and keeps its slice."""
+        with self._full_parameters():
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            self._write_shards(self.model.parameters())
 
     def floating_point_ops(self, inputs) -> int:
         return 0  # no forward/backward FLOPs in Trainer's sense
@@ -289,6 +343,12 @@ class ESTrainer(_BaseTrainer):
         return reward, per_func, rollout
 
     def _es_step(self, rows: list[dict], step: int, learning_rate: float) -> None:
+        """One ES step with all of θ in hand (gathered under ZeRO-3, whose partitions then take the update)."""
+        with self._full_parameters():
+            self._es_step_full(rows, step, learning_rate)
+            self._write_shards(self.es_params.values())
+
+    def _es_step_full(self, rows: list[dict], step: int, learning_rate: float) -> None:
         """One ES step (DESIGN §2), this process evaluating its share of the population (`trl_es.population`).
 
         On any exception, KeyboardInterrupt included, θ is restored bitwise. A failure on one process is reported to
@@ -399,7 +459,10 @@ class ESTrainer(_BaseTrainer):
     # ---- Saving -----------------------------------------------------------------------------------------------
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        super().save_model(output_dir, _internal_call)
+        """Save the model with HF names (the main process writes; under ZeRO-3 every process takes part in
+        gathering θ, so call it on every process, as Trainer does)."""
+        with self._full_parameters():
+            super().save_model(output_dir, _internal_call)
         output_dir = output_dir or self.args.output_dir
         if not _internal_call and os.path.abspath(output_dir) == os.path.abspath(self.args.output_dir):
             self.create_model_card()

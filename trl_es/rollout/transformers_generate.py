@@ -64,6 +64,7 @@ class TransformersRollout:
                     input_ids=input_ids.to(device),
                     attention_mask=attention_mask.to(device),
                     generation_config=self.generation_config,
+                    synced_gpus=False,  # processes generate for different members, never in lockstep
                 )
         finally:
             self.model.train(was_training)
