@@ -106,17 +106,40 @@ def test_two_processes_give_the_one_process_weights_and_logged_rewards(tmp_path,
     assert_equal_weights({n: p for n, p in saved.named_parameters()}, expected)
 
 
-def test_cli_under_accelerate_launch_matches_one_process(tmp_path, model_dir, one_process):
-    (tmp_path / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"Count to {n}:"}) for n in range(1, 9)))
-    (tmp_path / "recipe.yaml").write_text(
+def write_recipe(folder: Path, model_dir: str) -> None:
+    """The reference run's settings as a `trl-es es` recipe, with the prompts as a local JSONL file."""
+    (folder / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"Count to {n}:"}) for n in range(1, 9)))
+    (folder / "recipe.yaml").write_text(
         f"model_name_or_path: {model_dir}\ndataset_name: prompts.jsonl\n"
         "reward_funcs: [multiprocess_es.upper_vocab_share]\noutput_dir: cli-out\npopulation_size: 5\n"
         "es_baseline: center\nsigma: 0.01\nlearning_rate: 0.01\nper_device_train_batch_size: 4\nnum_generations: 1\n"
         "max_completion_length: 6\ngeneration_kwargs: {do_sample: false}\nmax_steps: 3\nseed: 0\n"
         "save_strategy: 'no'\nreport_to: none\nuse_cpu: true\n"
     )
+
+
+def test_cli_under_accelerate_launch_matches_one_process(tmp_path, model_dir, one_process):
+    write_recipe(tmp_path, model_dir)
     result = accelerate_launch(2, "-m", "trl_es.cli", "es", "--config", "recipe.yaml", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "cli-out")
+    assert_equal_weights({n: p for n, p in saved.named_parameters()}, rank_weights(one_process, 0))
+
+
+def test_cli_resolves_trl_accelerate_config_short_names(tmp_path, model_dir, one_process):
+    write_recipe(tmp_path, model_dir)
+    command = [sys.executable, "-m", "trl_es.cli", "es", "--config", "recipe.yaml"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "DS_ACCELERATOR": "cpu",
+           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(EXTENSIONS))}
+    unknown = subprocess.run([*command, "--accelerate_config", "zero9"], capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path, env=env)
+    assert unknown.returncode != 0 and "Accelerate config zero9 is neither a file" in unknown.stderr
+    with open(tmp_path / "recipe.yaml", "a") as recipe:
+        recipe.write("accelerate_config: zero3\n")  # TRL's zero3.yaml; the flags below override its settings
+    launch = ["--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port())]
+    result = subprocess.run([*command, *launch], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "deepspeed_shm_comm_op" in result.stdout + result.stderr  # DeepSpeed's CPU communication: 2 processes
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "cli-out")
     assert_equal_weights({n: p for n, p in saved.named_parameters()}, rank_weights(one_process, 0))
 

@@ -1,6 +1,10 @@
 """The `trl-es` command.
 
     trl-es es --config examples/recipe.yaml [--flag value ...]   # ES training, TrlParser style (YAML + overrides)
+    trl-es es --config recipe.yaml --accelerate_config zero3 [--num_processes 4 ...]
+                                         # the same through `accelerate launch`, as TRL's CLI: a config file or one
+                                         # of TRL's short names (multi_gpu, zero1, zero2, zero3, ...), plus any
+                                         # `accelerate launch` flag
     trl-es demo [--steps 12]                                      # the README demo on SmolLM2-135M-Instruct
 
 """
@@ -108,6 +112,19 @@ def run_es(script_args: ESScriptArguments, training_args) -> None:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
 
 
+def launch(argv: list[str], cli_launch_args: list[str], launch_args: list[str]) -> None:
+    """Re-run `trl-es es` under `accelerate launch` with `launch_args`, resolving `--accelerate_config` as TRL's CLI
+    does. The launched processes see TRL_ES_LAUNCHED=1 and ignore the launch settings in the recipe."""
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from trl.cli.accelerate_config import resolve_accelerate_config_argument
+    from trl.cli.commands.training import _subtract_subsequence
+
+    launch_args = resolve_accelerate_config_argument(launch_args)
+    script_args = _subtract_subsequence(argv, cli_launch_args)
+    os.environ["TRL_ES_LAUNCHED"] = "1"
+    launch_command(launch_command_parser().parse_args([*launch_args, "-m", "trl_es.cli", "es", *script_args]))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -125,8 +142,16 @@ def main(argv: list[str] | None = None) -> int:
         from .config import ESConfig
 
         parser = TrlParser((ESScriptArguments, ESConfig), prog="trl-es es")
-        script_args, training_args = parser.parse_args_and_config(args=rest)
-        run_es(script_args, training_args)
+        script_args, training_args, config_remaining, cli_remaining = parser.parse_args_and_config(
+            args=rest, return_remaining_strings=True, separate_remaining_strings=True
+        )
+        launch_args = config_remaining + cli_remaining  # what ESConfig does not know goes to `accelerate launch`
+        if launch_args and not os.environ.get("TRL_ES_LAUNCHED"):
+            launch(rest, cli_remaining, launch_args)
+        elif cli_remaining:
+            parser.error(f"unrecognized arguments: {' '.join(cli_remaining)}")
+        else:
+            run_es(script_args, training_args)
         return 0
     print(f"trl-es: unknown command {command!r}\n{__doc__}", file=sys.stderr)
     return 2
