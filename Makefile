@@ -28,5 +28,6 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/step_memory_time.py
+	$(PY) benchmarks/processes_step.py
 
 .PHONY: install demo test test-fast bench

@@ -3,10 +3,10 @@
 
     [ES_TEST_FAULT=raise|hang|kill] python multiprocess_es.py MODEL_DIR OUT_DIR '{"max_steps": 3, ...}'
 
-Trains the tiny model on the counting prompts with `upper_vocab_share` (greedy) and writes, per process,
-`weights-rank{r}.pt` (every parameter), the model (saved by the main process) and `result-rank{r}.json` (log history, or the error and whether θ was
-restored). ES_TEST_FAULT makes process 1 misbehave at step 1: `raise` (its reward function raises), `hang` (it sleeps past
-`ddp_timeout`), `kill` (it kills itself with SIGKILL).
+Trains the tiny model on the counting prompts with `upper_vocab_share` (greedy) and writes the model (main process)
+and, per process, `weights-rank{r}.pt` (every parameter) and `result-rank{r}.json` (log history, or the error and
+whether θ was restored). ES_TEST_FAULT makes process 1 misbehave at step 1: `raise` (its reward function raises),
+`hang` (it sleeps past `ddp_timeout`), `kill` (it kills itself with SIGKILL).
 """
 
 import contextlib
@@ -76,10 +76,15 @@ def main():
         trainer.train(resume_from_checkpoint=resume)
         trainer.save_model()
         result["log_history"] = trainer.state.log_history
+        # ES allocates no gradients and no optimizer state, under DeepSpeed too
+        result["gradients"] = sum(p.grad is not None for p in trainer.model.parameters())
+        result["optimizer_state"] = len(trainer.optimizer.state)
+        result["engine_optimizer"] = type(getattr(trainer.model_wrapped, "optimizer", None)).__name__
     except Exception as error:
         result["error"] = f"{type(error).__name__}: {error}"
         start = getattr(watcher, "weights", None)  # None: it failed before the first step
-        result["restored"] = start is not None and all(torch.equal(p, start[n]) for n, p in trainer.model.named_parameters())
+        params = trainer.model.named_parameters()
+        result["restored"] = start is not None and all(torch.equal(p, start[n]) for n, p in params)
     params = dict(trainer.model.named_parameters())
     result["zero3_partitioned"] = zero3 = hasattr(next(iter(params.values())), "ds_id")
     gathered = contextlib.nullcontext()

@@ -19,6 +19,7 @@ from conftest import build_tiny_model
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).parent / "multiprocess_es.py"
+CONFIGS = Path(__file__).parents[1] / "examples" / "accelerate"
 EXTENSIONS = Path(__file__).parents[1] / "build" / "torch_extensions"
 
 
@@ -45,8 +46,9 @@ def run_script(out_dir: Path, model_dir: str, overrides: dict, fault=None, num_p
     if num_processes == 1:
         return subprocess.run([sys.executable, *arguments], capture_output=True, text=True, timeout=300,
                               env={**os.environ, **env})
-    if "--use_deepspeed" in backend:  # DeepSpeed on CPU; its communication op is JIT-built once into build/
-        env |= {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(EXTENSIONS))}
+    if "deepspeed" in " ".join(backend):  # DeepSpeed on CPU; its communication op is JIT-built once into build/
+        env |= {"DS_ACCELERATOR": "cpu",
+                "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(EXTENSIONS))}
     return accelerate_launch(num_processes, *arguments, backend=backend, env=env)
 
 
@@ -90,7 +92,8 @@ def test_two_processes_give_the_one_process_weights_and_logged_rewards(tmp_path,
     reference, runs = results(one_process)[0], results(tmp_path)
     assert {r: run["num_processes"] for r, run in runs.items()} == {0: 2, 1: 2}
     expected = rank_weights(one_process, 0)
-    assert not torch.equal(expected["model.embed_tokens.weight"], AutoModelForCausalLM.from_pretrained(model_dir).model.embed_tokens.weight)
+    start = AutoModelForCausalLM.from_pretrained(model_dir).model.embed_tokens.weight
+    assert not torch.equal(expected["model.embed_tokens.weight"], start)  # training moved the weights
     for rank in (0, 1):
         assert_equal_weights(rank_weights(tmp_path, rank), expected)
     steps = [entry for entry in runs[0]["log_history"] if "reward" in entry]
@@ -120,7 +123,8 @@ def write_recipe(folder: Path, model_dir: str) -> None:
 
 def test_cli_under_accelerate_launch_matches_one_process(tmp_path, model_dir, one_process):
     write_recipe(tmp_path, model_dir)
-    result = accelerate_launch(2, "-m", "trl_es.cli", "es", "--config", "recipe.yaml", cwd=tmp_path)
+    cpu = ("--config_file", str(CONFIGS / "cpu_two_processes.yaml"))
+    result = accelerate_launch(2, "-m", "trl_es.cli", "es", "--config", "recipe.yaml", backend=cpu, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "cli-out")
     assert_equal_weights({n: p for n, p in saved.named_parameters()}, rank_weights(one_process, 0))
@@ -175,11 +179,14 @@ def test_a_killed_process_leaves_a_loadable_checkpoint_and_resume_with_two_proce
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_zero_two_processes_give_the_one_process_weights(tmp_path, model_dir, one_process, stage):
-    zero = ("--use_deepspeed", "--zero_stage", str(stage))
+    zero = ("--config_file", str(CONFIGS / f"deepspeed_zero{stage}.yaml"))  # the shipped examples
     result = run_script(tmp_path, model_dir, {"save_strategy": "steps", "save_steps": 2}, backend=zero)
     assert result.returncode == 0, result.stderr[-3000:]
     runs = results(tmp_path)
     assert {r: run["zero3_partitioned"] for r, run in runs.items()} == {0: stage == 3, 1: stage == 3}
+    for run in runs.values():  # no gradients, no optimizer state; ZeRO-3's engine only partitions parameters
+        assert run["gradients"] == run["optimizer_state"] == 0
+        assert run["engine_optimizer"] == ("DeepSpeedZeRoOffload" if stage == 3 else "NoneType")
     steps = [entry["reward"] for entry in runs[0]["log_history"] if "reward" in entry]
     assert steps == [entry["reward"] for entry in results(one_process)[0]["log_history"] if "reward" in entry]
     expected = rank_weights(one_process, 0)

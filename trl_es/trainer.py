@@ -348,6 +348,28 @@ class ESTrainer(_BaseTrainer):
             self._es_step_full(rows, step, learning_rate)
             self._write_shards(self.es_params.values())
 
+    def _evaluate_slots(self, rows, prompt_ids, step, slots, directions, summaries) -> float:
+        """Evaluate this process's share of the step's slots (`local_slots`), each written as θ + σ·ε from the
+        snapshot, and fill their rows of `summaries`. Returns the seconds spent perturbing."""
+        args, accelerator, noise_time = self.args, self.accelerator, 0.0
+        for s in local_slots(len(slots), accelerator.process_index, accelerator.num_processes):
+            slot = slots[s]  # the centre, if any, is slot 0 and is evaluated before any perturbation
+            if slot != "center":
+                timer = time.perf_counter()
+                seed, sign = directions[slot]
+                self._snapshot.perturb(self._noise_table, seed, sign * args.sigma)
+                noise_time += time.perf_counter() - timer
+            extras = defaultdict(list)
+            reward, per_func, rollout = self._evaluate(rows, prompt_ids, self._sampling_seed(step, slot), extras)
+            rewards = torch.cat([self.reward_functions.combine(per_func)[:, None], per_func], dim=1)
+            summaries[s] = summarize(reward, rewards, [len(ids) for ids in rollout.completion_ids], rollout.truncated)
+            if slot != "center" and self._completions_step != step:  # the table shows this process's first member
+                names = self.reward_functions.names
+                table_rewards = {n: per_func[:, k].tolist() for k, n in enumerate(names)}
+                self._last_completions = (rollout.prompts, rollout.completions, table_rewards, dict(extras))
+                self._completions_step = step
+        return noise_time
+
     def _es_step_full(self, rows: list[dict], step: int, learning_rate: float) -> None:
         """One ES step (DESIGN §2), this process evaluating its share of the population (`trl_es.population`).
 
@@ -367,23 +389,7 @@ class ESTrainer(_BaseTrainer):
         try:
             error = None
             try:
-                for s in local_slots(len(slots), accelerator.process_index, accelerator.num_processes):
-                    slot = slots[s]  # the centre, if any, is slot 0 and is evaluated before any perturbation
-                    if slot != "center":
-                        timer = time.perf_counter()
-                        seed, sign = directions[slot]
-                        snapshot.perturb(table, seed, sign * args.sigma)
-                        noise_time += time.perf_counter() - timer
-                    extras = defaultdict(list)
-                    reward, per_func, rollout = self._evaluate(rows, prompt_ids, self._sampling_seed(step, slot), extras)
-                    rewards = torch.cat([self.reward_functions.combine(per_func)[:, None], per_func], dim=1)
-                    lengths = [len(ids) for ids in rollout.completion_ids]
-                    summaries[s] = summarize(reward, rewards, lengths, rollout.truncated)
-                    if slot != "center" and self._completions_step != step:  # the table shows this process's first member
-                        names = self.reward_functions.names
-                        table_rewards = {n: per_func[:, k].tolist() for k, n in enumerate(names)}
-                        self._last_completions = (rollout.prompts, rollout.completions, table_rewards, dict(extras))
-                        self._completions_step = step
+                noise_time += self._evaluate_slots(rows, prompt_ids, step, slots, directions, summaries)
             except Exception as exc:  # reported to the other processes below, then raised
                 error = exc
             timer = time.perf_counter()

@@ -1,0 +1,41 @@
+"""Splitting the population across processes and the per-member summaries, on plain tensors (hand-computed)."""
+
+import math
+
+import pytest
+import torch
+
+from trl_es.population import all_reduce_summaries, local_slots, population_metrics, summarize, summary_width
+
+
+def test_slots_are_dealt_round_robin_and_cover_the_population_once():
+    assert local_slots(6, 0, 2) == [0, 2, 4] and local_slots(6, 1, 2) == [1, 3, 5]
+    assert local_slots(5, 1, 3) == [1, 4]  # N not a multiple of K: some processes evaluate one more
+    assert local_slots(3, 3, 4) == []  # K > N: this process only waits
+    for n, k in [(7, 3), (2, 4), (30, 8)]:
+        dealt = sorted(s for r in range(k) for s in local_slots(n, r, k))
+        assert dealt == list(range(n))
+
+
+def test_summary_row_and_metrics_by_hand():
+    nan = math.nan
+    # member 0: completions with combined rewards 1 and 3 (function f gave 1 and 3), lengths 2 and 4, one truncated
+    row0 = summarize(2.0, torch.tensor([[1.0, 1.0], [3.0, 3.0]]), [2, 4], [True, False])
+    # member 1: one reward 0 and one completion without any reward (NaN), lengths 6 and 1
+    row1 = summarize(0.0, torch.tensor([[0.0, 0.0], [nan, nan]]), [6, 1], [False, False])
+    assert row0.numel() == summary_width(1) == 12
+    assert row0.tolist() == [2.0, 4.0, 2.0, 10.0, 4.0, 2.0, 10.0, 6.0, 2.0, 4.0, 2.0, 1.0]
+    metrics = population_metrics(torch.stack([row0, row1]), ["f"])
+    # rewards 1, 3, 0 (the NaN excluded): mean 4/3, unbiased std sqrt(((1-4/3)^2 + (3-4/3)^2 + (4/3)^2) / 2)
+    assert metrics["reward"] == pytest.approx(4 / 3)
+    assert metrics["reward_std"] == pytest.approx(math.sqrt((1 / 9 + 25 / 9 + 16 / 9) / 2))
+    assert metrics["rewards/f/mean"] == metrics["reward"] and metrics["rewards/f/std"] == metrics["reward_std"]
+    assert metrics["completions/mean_length"] == pytest.approx(13 / 4)
+    assert (metrics["completions/min_length"], metrics["completions/max_length"]) == (1.0, 6.0)
+    assert metrics["completions/clipped_ratio"] == 0.25
+
+
+def test_one_process_reduce_is_the_identity_and_reports_its_own_failure():
+    summaries = torch.arange(6, dtype=torch.float64).view(2, 3)
+    assert all_reduce_summaries(summaries, False, torch.device("cpu"), 5)[0] is summaries
+    assert all_reduce_summaries(summaries, True, torch.device("cpu"), 5)[1] == [0]
