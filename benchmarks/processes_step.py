@@ -32,16 +32,20 @@ def reward(completions, **kwargs):
 
 
 def count_collective_bytes(counter: dict) -> None:
-    """Wrap torch.distributed's collectives to add the bytes of every tensor they send to `counter["bytes"]`."""
+    """Wrap torch.distributed's collectives to add the bytes of the tensor each one sends to `counter["bytes"]`."""
     import torch.distributed as dist
 
-    for name in ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter", "gather"):
+    sent_tensor = {  # collective: (position, keyword) of the tensor this process contributes
+        "all_reduce": (0, "tensor"), "broadcast": (0, "tensor"),
+        "all_gather": (1, "tensor"), "all_gather_into_tensor": (1, "input_tensor"),
+    }
+    for name, (position, keyword) in sent_tensor.items():
         original = getattr(dist, name)
 
-        def wrapped(tensor, *args, _original=original, **kwargs):
-            tensors = tensor if isinstance(tensor, list) else [tensor]
-            counter["bytes"] += sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "numel"))
-            return _original(tensor, *args, **kwargs)
+        def wrapped(*args, _original=original, _position=position, _keyword=keyword, **kwargs):
+            tensor = args[_position] if len(args) > _position else kwargs[_keyword]
+            counter["bytes"] += tensor.numel() * tensor.element_size()
+            return _original(*args, **kwargs)
 
         setattr(dist, name, wrapped)
 

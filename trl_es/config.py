@@ -23,6 +23,8 @@ class ESConfig(TrainingArguments):
     One ES step takes `per_device_train_batch_size` prompts, evaluates `population_size` members
     θ_i = θ + σ·ε_i on them (`num_generations` completions per prompt each), scores them with the reward functions,
     and applies θ ← θ + α·(1/N)·Σ_i z_i·ε_i with α = `learning_rate` (following the lr scheduler, constant by default).
+    With several processes the members are split across them and every process reads the same prompts, so the step's
+    prompts stay `per_device_train_batch_size` whatever the number of processes (docs/scaling.md).
 
     Fields of [`~transformers.TrainingArguments`] that only make sense with gradients are refused
     (`gradient_accumulation_steps` > 1) or ignored with a warning (`max_grad_norm`, `optim`, `gradient_checkpointing`).
