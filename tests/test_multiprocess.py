@@ -1,7 +1,8 @@
 """K processes give the same model as one: real `accelerate launch` with 2 CPU processes (gloo), and faults.
 
 The launch line is the one that really starts two CPU processes here (MACHINE_NOTES.md): `--multi_gpu` with
-`use_cpu=True` in the config. Each launch costs ~20 s of start-up (imports, gloo), hence `slow`.
+`use_cpu=True` in the config; DeepSpeed runs from the shipped `examples/accelerate/deepspeed_zero*.yaml` with
+`DS_ACCELERATOR=cpu`. Each launch costs ~20 s of start-up (imports, gloo), hence `slow`.
 """
 
 import json

@@ -6,6 +6,10 @@
                                          # of TRL's short names (multi_gpu, zero1, zero2, zero3, ...), plus any
                                          # `accelerate launch` flag
     trl-es demo [--steps 12]                                      # the README demo on SmolLM2-135M-Instruct
+    trl-es sparsify --base B --tuned T (--tau 1e-3 | --top_fraction 0.01) --out delta.safetensors
+                                         # update statistics and a sparse delta of the entries kept
+    trl-es apply-delta --base B --delta delta.safetensors --out M [--force]
+                                         # the thresholded model, rebuilt bitwise from the base and the delta
 
 """
 
@@ -125,6 +129,79 @@ def launch(argv: list[str], cli_launch_args: list[str], launch_args: list[str]) 
     launch_command(launch_command_parser().parse_args([*launch_args, "-m", "trl_es.cli", "es", *script_args]))
 
 
+def load_weights(path: str):
+    """(model, tokenizer or None, {name: parameter}) of a causal LM directory or id, in its stored dtype."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model {path!r} does not exist")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        tokenizer = None
+    return model, tokenizer, dict(model.named_parameters())
+
+
+def sparsify(argv: list[str]) -> None:
+    import argparse
+
+    from .sparse import save_delta, threshold_masks, update_statistics
+
+    parser = argparse.ArgumentParser(prog="trl-es sparsify", description="Update statistics and a sparse delta.")
+    parser.add_argument("--base", required=True, help="the model training started from")
+    parser.add_argument("--tuned", required=True, help="the trained model (same architecture)")
+    keep = parser.add_mutually_exclusive_group(required=True)
+    keep.add_argument("--tau", type=float, help="keep the entries with |Δ| > tau")
+    keep.add_argument("--top_fraction", type=float, help="keep this fraction of entries, largest |Δ| first")
+    parser.add_argument("--taus", default="1e-3,1.5e-3,2e-3", help="τ values for the s_τ statistics")
+    parser.add_argument("--out", required=True, help="the delta file to write (.safetensors)")
+    options = parser.parse_args(argv)
+    _, _, base = load_weights(options.base)
+    _, _, tuned = load_weights(options.tuned)
+    stats = update_statistics(base, tuned, [float(t) for t in options.taus.split(",")])["total"]
+    masks = threshold_masks(base, tuned, tau=options.tau, top_fraction=options.top_fraction)
+    metadata = save_delta(options.out, base, tuned, masks, options.base, "", options.tau, options.top_fraction)
+    full = sum(t.numel() * t.element_size() for t in base.values())
+    print(f"relative L2 ‖Δ‖/‖θ_base‖ {stats['relative_l2']:.4g}; nonzero updates {stats['nonzero']} "
+          f"({stats['nonzero_share']:.2%}); " + ", ".join(f"s_{t:g} {s:.2%}" for t, s in stats["s_tau"].items()))
+    print(f"kept {metadata['kept']} entries (sparsity {float(metadata['sparsity']):.4%}): {options.out} "
+          f"{os.path.getsize(options.out) / 2**20:.2f} MiB vs {full / 2**20:.1f} MiB of full weights")
+
+
+def apply_delta_command(argv: list[str]) -> None:
+    import argparse
+    import shutil
+    import tempfile
+
+    import torch
+
+    from .sparse import apply_delta
+
+    parser = argparse.ArgumentParser(prog="trl-es apply-delta", description="Rebuild the thresholded model.")
+    parser.add_argument("--base", required=True)
+    parser.add_argument("--delta", required=True)
+    parser.add_argument("--out", required=True, help="a new directory (an existing one is never overwritten)")
+    parser.add_argument("--force", action="store_true", help="apply even if the base weights' hash differs")
+    options = parser.parse_args(argv)
+    if os.path.exists(options.out):
+        parser.error(f"--out {options.out} already exists; choose a new directory")
+    model, tokenizer, base = load_weights(options.base)
+    with torch.no_grad():
+        for name, tensor in apply_delta(base, options.delta, force=options.force).items():
+            base[name].copy_(tensor)
+    staging = tempfile.mkdtemp(prefix=".apply-delta-", dir=os.path.dirname(os.path.abspath(options.out)))
+    try:
+        model.save_pretrained(staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        os.replace(staging, options.out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    print(f"Model saved to {options.out}.")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -135,6 +212,13 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo
 
         demo(rest)
+        return 0
+    if command in ("sparsify", "apply-delta"):
+        try:
+            (sparsify if command == "sparsify" else apply_delta_command)(rest)
+        except (ValueError, FileNotFoundError) as error:
+            print(f"trl-es {command}: {error}", file=sys.stderr)
+            return 1
         return 0
     if command == "es":
         from trl import TrlParser

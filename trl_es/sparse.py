@@ -1,0 +1,196 @@
+"""Sparse updates: how a tuned model differs from its base, magnitude thresholding, and a compact delta file.
+
+The ES research finds that ES moves the whole model far, yet its task gain lives in a sparse set of larger-magnitude
+changes. With Δ = θ_tuned − θ_base (computed in float32):
+
+- statistics as reported there: relative L2 distance ‖Δ‖/‖θ_base‖, the number and share of nonzero updates, and
+  s_τ = share of the nonzero updates with |Δ| ≤ τ, for the whole model and per tensor;
+- thresholding keeps the entries with |Δ| > τ (or the top fraction by |Δ|): the thresholded model takes θ_tuned
+  there and θ_base elsewhere;
+- a delta file (safetensors) stores, per tensor, the flat indices of the kept entries and θ_tuned's values there,
+  with the base's identity and a hash of its weights; applied onto the same base it rebuilds the thresholded model
+  bitwise.
+
+Tensors are dicts name → tensor, e.g. `dict(model.named_parameters())` (tied weights appear once).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Mapping
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+FORMAT = "trl-es-sparse-delta/1"
+
+
+def check_same_architecture(base: Mapping[str, torch.Tensor], tuned: Mapping[str, torch.Tensor]) -> None:
+    """Raise ValueError naming the first difference in parameter names or shapes (a different vocabulary shows as
+    a different embedding shape)."""
+    missing, extra = sorted(set(base) - set(tuned)), sorted(set(tuned) - set(base))
+    if missing or extra:
+        raise ValueError(
+            f"the models have different parameters: only in base {missing[:5]}, only in tuned {extra[:5]}"
+        )
+    for name, tensor in base.items():
+        if tensor.shape != tuned[name].shape:
+            raise ValueError(
+                f"parameter {name!r} has shape {tuple(tensor.shape)} in base and {tuple(tuned[name].shape)} in tuned "
+                "(different architecture or vocabulary)"
+            )
+
+
+def update(base: Mapping[str, torch.Tensor], tuned: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Δ = tuned − base per tensor, in float32."""
+    check_same_architecture(base, tuned)
+    return {name: tuned[name].detach().float() - tensor.detach().float() for name, tensor in base.items()}
+
+
+def update_statistics(
+    base: Mapping[str, torch.Tensor], tuned: Mapping[str, torch.Tensor], taus: list[float] = (1e-3, 1.5e-3, 2e-3)
+) -> dict:
+    """Relative L2 ‖Δ‖/‖θ_base‖, nonzero count and share, s_τ for each τ; for the whole model and per tensor."""
+    delta = update(base, tuned)
+    rows, totals = {}, {"numel": 0, "nonzero": 0, "delta_sq": 0.0, "base_sq": 0.0, **{t: 0 for t in taus}}
+    for name, d in delta.items():
+        magnitude = d.abs()
+        nonzero = magnitude > 0
+        row = {
+            "numel": d.numel(),
+            "nonzero": int(nonzero.sum()),
+            "delta_sq": float(d.double().square().sum()),
+            "base_sq": float(base[name].detach().double().square().sum()),
+        }
+        for tau in taus:
+            row[tau] = int((nonzero & (magnitude <= tau)).sum())
+        for key in totals:
+            totals[key] += row[key]
+        rows[name] = row
+    return {"total": _summarize(totals, taus), "per_tensor": {name: _summarize(r, taus) for name, r in rows.items()}}
+
+
+def _summarize(counts: dict, taus) -> dict:
+    nonzero = counts["nonzero"]
+    return {
+        "numel": counts["numel"],
+        "nonzero": nonzero,
+        "nonzero_share": nonzero / counts["numel"] if counts["numel"] else 0.0,
+        "relative_l2": math.sqrt(counts["delta_sq"] / counts["base_sq"]) if counts["base_sq"] else math.inf,
+        "s_tau": {tau: counts[tau] / nonzero if nonzero else 0.0 for tau in taus},
+    }
+
+
+def threshold_masks(
+    base: Mapping[str, torch.Tensor],
+    tuned: Mapping[str, torch.Tensor],
+    tau: float | None = None,
+    top_fraction: float | None = None,
+) -> dict[str, torch.Tensor]:
+    """Boolean masks of the entries kept: |Δ| > τ, or the `top_fraction` of all entries with the largest |Δ|
+    (ties at the cut-off kept). Exactly one of `tau` and `top_fraction`."""
+    if (tau is None) == (top_fraction is None):
+        raise ValueError("give exactly one of tau (keep |Δ| > tau) and top_fraction (keep the largest |Δ|)")
+    if tau is not None and not tau >= 0:
+        raise ValueError(f"tau must be >= 0, got {tau}")
+    if top_fraction is not None and not 0 < top_fraction <= 1:
+        raise ValueError(f"top_fraction must be in (0, 1], got {top_fraction}")
+    magnitudes = {name: d.abs() for name, d in update(base, tuned).items()}
+    if top_fraction is not None:
+        everything = torch.cat([m.flatten() for m in magnitudes.values()])
+        k = max(1, math.ceil(top_fraction * everything.numel()))
+        cut = torch.topk(everything, k).values[-1].item()
+        return {name: (m >= cut) & (m > 0) for name, m in magnitudes.items()}
+    return {name: m > tau for name, m in magnitudes.items()}
+
+
+def thresholded(
+    base: Mapping[str, torch.Tensor], tuned: Mapping[str, torch.Tensor], masks: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """θ_tuned where the mask is set, θ_base elsewhere (each tensor in the base's dtype)."""
+    return {name: torch.where(masks[name], tuned[name].detach().to(t.dtype), t.detach()) for name, t in base.items()}
+
+
+def weights_hash(weights: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over the names, dtypes, shapes and bytes of `weights`, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        tensor = weights[name].detach().contiguous().cpu()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def save_delta(
+    path: str,
+    base: Mapping[str, torch.Tensor],
+    tuned: Mapping[str, torch.Tensor],
+    masks: Mapping[str, torch.Tensor],
+    base_model: str = "",
+    base_revision: str = "",
+    tau: float | None = None,
+    top_fraction: float | None = None,
+) -> dict:
+    """Write the kept entries (flat int64 indices and θ_tuned's values, per tensor) to a safetensors file; written
+    to a temporary name and renamed, so an existing file is never left half-written. Returns the metadata."""
+    tensors, kept = {}, 0
+    for name, mask in masks.items():
+        indices = mask.flatten().nonzero().flatten()
+        if indices.numel():
+            tensors[f"{name}.indices"] = indices
+            tensors[f"{name}.values"] = tuned[name].detach().flatten()[indices].to(base[name].dtype).contiguous()
+            kept += indices.numel()
+    total = sum(t.numel() for t in base.values())
+    metadata = {
+        "format": FORMAT,
+        "base_model": base_model,
+        "base_revision": base_revision,
+        "base_hash": weights_hash(base),
+        "tau": "" if tau is None else repr(tau),
+        "top_fraction": "" if top_fraction is None else repr(top_fraction),
+        "kept": str(kept),
+        "sparsity": repr(1 - kept / total),
+        "shapes": json.dumps({name: list(t.shape) for name, t in base.items()}),
+    }
+    partial = f"{path}.partial"
+    save_file(tensors, partial, metadata=metadata)
+    os.replace(partial, path)
+    return metadata
+
+
+def load_delta(path: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, metadata) of a delta file; a clear ValueError when the file is missing, corrupt or not a delta."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"sparse delta file {path!r} does not exist")
+    try:
+        with safe_open(path, "pt") as f:
+            metadata = f.metadata() or {}
+        tensors = load_file(path)
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"sparse delta file {path!r} is corrupt or truncated: {error}") from error
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{path!r} is not a trl-es sparse delta (format {metadata.get('format')!r})")
+    return tensors, metadata
+
+
+def apply_delta(base: Mapping[str, torch.Tensor], path: str, force: bool = False) -> dict[str, torch.Tensor]:
+    """The thresholded model: a copy of `base` with the delta's entries written in. A delta made from other base
+    weights (hash mismatch) is refused unless `force`."""
+    tensors, metadata = load_delta(path)
+    shapes = json.loads(metadata["shapes"])
+    if shapes != {name: list(t.shape) for name, t in base.items()}:
+        raise ValueError(f"the delta {path!r} was made for a model with other parameters or shapes than this base")
+    if not force and metadata["base_hash"] != weights_hash(base):
+        raise ValueError(
+            f"the delta {path!r} was made from other base weights ({metadata['base_model'] or 'unnamed base'}, hash "
+            f"{metadata['base_hash'][:12]}…, this base {weights_hash(base)[:12]}…); pass force=True to apply it anyway"
+        )
+    result = {name: t.detach().clone() for name, t in base.items()}
+    for name, target in result.items():
+        if f"{name}.indices" in tensors:
+            target.view(-1)[tensors[f"{name}.indices"]] = tensors[f"{name}.values"].to(target.dtype)
+    return result
