@@ -140,3 +140,30 @@ def test_sparsify_and_apply_delta_commands_on_real_models(tmp_path, tiny_model_d
     wrong_base = cli("apply-delta", "--base", str(tuned_dir), "--delta", str(delta), "--out", str(tmp_path / "x"))
     assert wrong_base.returncode == 1 and "other base weights" in wrong_base.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_trainer_writes_the_sparse_delta_and_its_statistics_at_save(tmp_path, tiny_model_dir, prompt_dataset):
+    from transformers import AutoModelForCausalLM
+
+    from conftest import es_config
+    from trl_es import ESTrainer
+
+    def length_reward(completion_ids, **kwargs):
+        return [float(len(ids)) + sum(ids) % 7 for ids in completion_ids]
+
+    args = es_config(tmp_path, sparse_delta_tau=0.01)
+    trainer = ESTrainer(tiny_model_dir, length_reward, args=args, train_dataset=prompt_dataset)
+    trainer.train()
+    trainer.save_model()
+    delta = tmp_path / "out" / "sparse_delta.safetensors"
+    base = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
+    tuned = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "out").named_parameters())
+    masks = threshold_masks(base, tuned, tau=0.01)
+    assert 0 < sum(int(m.sum()) for m in masks.values()) < sum(m.numel() for m in masks.values())
+    rebuilt = apply_delta(base, str(delta))
+    expected = thresholded(base, tuned, masks)
+    assert all(torch.equal(rebuilt[name], expected[name]) for name in expected)
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "sparse_delta.safetensors, τ = 0.01" in card and "s_τ (share of nonzero |Δ| ≤ 0.01)" in card
+    with pytest.raises(ValueError, match="sparse_delta_tau"):
+        es_config(tmp_path, sparse_delta_tau=-1.0)

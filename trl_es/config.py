@@ -93,6 +93,14 @@ class ESConfig(TrainingArguments):
             f"every member's noise is cut, in windows of {CHUNK} elements. 2**24 costs 64 MiB."
         },
     )
+    sparse_delta_tau: float | None = field(
+        default=None,
+        metadata={
+            "help": "When set, `save_model` also writes `sparse_delta.safetensors`: the entries whose update from the "
+            "starting weights (reloaded from the model path) exceeds this magnitude, which `trl-es apply-delta` "
+            "turns back into the thresholded model, and the update's statistics in the model card (trl_es.sparse)."
+        },
+    )
 
     # Model
     model_init_kwargs: dict[str, Any] | str | None = field(
@@ -176,6 +184,8 @@ class ESConfig(TrainingArguments):
             refuse("es_baseline", f"choose one of {BASELINES}")
         if self.noise_table_size < CHUNK:
             refuse("noise_table_size", f"it must hold at least one noise window ({CHUNK} values)")
+        if self.sparse_delta_tau is not None and not self.sparse_delta_tau >= 0:
+            refuse("sparse_delta_tau", "the magnitude threshold must be ≥ 0")
         if self.num_generations < 1:
             refuse("num_generations", "each member needs at least one completion per prompt")
         if self.max_completion_length is None or self.max_completion_length < 1:

@@ -3,8 +3,8 @@
 The ES research finds that ES moves the whole model far, yet its task gain lives in a sparse set of larger-magnitude
 changes. With Δ = θ_tuned − θ_base (computed in float32):
 
-- statistics as reported there: relative L2 distance ‖Δ‖/‖θ_base‖, the number and share of nonzero updates, and
-  s_τ = share of the nonzero updates with |Δ| ≤ τ, for the whole model and per tensor;
+- statistics as reported there: relative L2 distance ‖Δ‖/‖θ_base‖, the number and share of nonzero updates,
+  and s_τ = share of the nonzero updates with |Δ| ≤ τ, for the whole model and per tensor;
 - thresholding keeps the entries with |Δ| > τ (or the top fraction by |Δ|): the thresholded model takes θ_tuned
   there and θ_base elsewhere;
 - a delta file (safetensors) stores, per tensor, the flat indices of the kept entries and θ_tuned's values there,
@@ -54,7 +54,7 @@ def update(base: Mapping[str, torch.Tensor], tuned: Mapping[str, torch.Tensor]) 
 def update_statistics(
     base: Mapping[str, torch.Tensor], tuned: Mapping[str, torch.Tensor], taus: list[float] = (1e-3, 1.5e-3, 2e-3)
 ) -> dict:
-    """Relative L2 ‖Δ‖/‖θ_base‖, nonzero count and share, s_τ for each τ; for the whole model and per tensor."""
+    """Relative L2 ‖Δ‖/‖θ_base‖, nonzero count and share, s_τ for each τ: for the whole model and per tensor."""
     delta = update(base, tuned)
     rows, totals = {}, {"numel": 0, "nonzero": 0, "delta_sq": 0.0, "base_sq": 0.0, **{t: 0 for t in taus}}
     for name, d in delta.items():
@@ -187,7 +187,8 @@ def apply_delta(base: Mapping[str, torch.Tensor], path: str, force: bool = False
     if not force and metadata["base_hash"] != weights_hash(base):
         raise ValueError(
             f"the delta {path!r} was made from other base weights ({metadata['base_model'] or 'unnamed base'}, hash "
-            f"{metadata['base_hash'][:12]}…, this base {weights_hash(base)[:12]}…); pass force=True to apply it anyway"
+            f"{metadata['base_hash'][:12]}…, this base {weights_hash(base)[:12]}…); pass force=True to apply it "
+            "anyway"
         )
     result = {name: t.detach().clone() for name, t in base.items()}
     for name, target in result.items():

@@ -30,6 +30,7 @@ from trl.trainer.utils import (
     print_prompt_completions_sample,
 )
 
+from . import sparse
 from .config import ESConfig
 from .es import NoiseTable, ParameterSnapshot, apply_update, member_seed, select_parameters, shape_fitness
 from .es.noise import _hash64
@@ -467,11 +468,36 @@ class ESTrainer(_BaseTrainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Save the model with HF names (the main process writes; under ZeRO-3 every process takes part in
         gathering θ, so call it on every process, as Trainer does)."""
+        output_dir = output_dir or self.args.output_dir
         with self._full_parameters():
             super().save_model(output_dir, _internal_call)
-        output_dir = output_dir or self.args.output_dir
+            if self.args.sparse_delta_tau is not None and not _internal_call and self.args.should_save:
+                self._save_sparse_delta(output_dir)
         if not _internal_call and os.path.abspath(output_dir) == os.path.abspath(self.args.output_dir):
             self.create_model_card()
+
+    def _save_sparse_delta(self, output_dir: str) -> None:
+        """Write `sparse_delta.safetensors` (|θ − θ_start| > τ, θ_start reloaded from the model's path) and keep
+        its statistics for the model card."""
+        tau, base_path = self.args.sparse_delta_tau, get_config_model_id(self.model.config)
+        try:
+            base_model = type(self.model).from_pretrained(base_path, dtype=self.model.dtype)
+        except OSError as error:
+            logger.warning(f"No sparse delta written: cannot load the starting weights at {base_path!r} ({error}).")
+            return
+        base, tuned = dict(base_model.named_parameters()), dict(self.model.named_parameters())
+        path = os.path.join(output_dir, "sparse_delta.safetensors")
+        masks = sparse.threshold_masks(base, tuned, tau=tau)
+        metadata = sparse.save_delta(path, base, tuned, masks, base_model=base_path, tau=tau)
+        total = sparse.update_statistics(base, tuned, [tau])["total"]
+        self._sparse_delta_card = {
+            "sparse delta": f"sparse_delta.safetensors, τ = {tau}",
+            "entries kept": f"{int(metadata['kept'])} (sparsity {float(metadata['sparsity']):.4%})",
+            "delta file size": f"{os.path.getsize(path) / 2**20:.2f} MiB",
+            "relative L2 ‖Δ‖/‖θ_start‖": f"{total['relative_l2']:.4g}",
+            "nonzero updates": f"{total['nonzero_share']:.2%}",
+            f"s_τ (share of nonzero |Δ| ≤ {tau})": f"{total['s_tau'][tau]:.2%}",
+        }
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card (tags trl, trl-es, evolution-strategies) plus the base model and ES settings."""
@@ -496,6 +522,7 @@ class ESTrainer(_BaseTrainer):
             "seed": args.seed,
             "reward functions": ", ".join(self.reward_functions.names),
         }
+        settings.update(getattr(self, "_sparse_delta_card", {}))
         rows = "\n".join(f"| {k} | `{v}` |" for k, v in settings.items())
         path = os.path.join(args.output_dir, "README.md")
         with open(path, "a", encoding="utf-8") as card:
