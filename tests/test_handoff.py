@@ -42,3 +42,86 @@ def test_sequential_example_runs_both_orders_and_keeps_each_stage(tmp_path, tiny
         original, es, grpo = weights(tiny_model_dir), weights(outputs[0]), weights(outputs[1])
         distance = lambda a, b: sum(float((a[n] - b[n]).square().sum()) for n in a)  # noqa: E731
         assert distance(grpo, es) < distance(grpo, original)
+
+
+@pytest.fixture(scope="module")
+def grpo_lora_checkpoint(tmp_path_factory, tiny_model_dir):
+    """A real GRPOTrainer LoRA run's checkpoint-1 (adapter, tokenizer, trainer state)."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig, GRPOTrainer
+
+    out = tmp_path_factory.mktemp("grpo-lora")
+    args = GRPOConfig(
+        output_dir=str(out), per_device_train_batch_size=4, num_generations=4, max_completion_length=6, max_steps=1,
+        learning_rate=1e-2, bf16=False, save_strategy="steps", save_steps=1, report_to="none", disable_tqdm=True,
+    )
+    dataset = Dataset.from_dict({"prompt": [f"Count to {n}:" for n in range(1, 9)]})
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    GRPOTrainer(tiny_model_dir, token_sum_reward, args=args, train_dataset=dataset, peft_config=lora).train()
+    return out / "checkpoint-1"
+
+
+def test_es_starts_from_a_grpo_lora_checkpoint_merged_or_adapter_only(tmp_path, grpo_lora_checkpoint, prompt_dataset):
+    from peft import PeftModel
+
+    from conftest import es_config
+    from trl_es import ESTrainer
+
+    assert (grpo_lora_checkpoint / "adapter_config.json").is_file()
+    merged = ESTrainer(str(grpo_lora_checkpoint), token_sum_reward, args=es_config(tmp_path / "merged"),
+                       train_dataset=prompt_dataset)
+    assert not isinstance(merged.model, PeftModel) and not any("lora" in n for n, _ in merged.model.named_parameters())
+    assert len(merged.es_params) == len(list(merged.model.parameters()))  # every weight of the merged model moves
+
+    args = es_config(tmp_path / "adapter", es_adapter_only=True, population_size=8, sigma=0.05)
+    trainer = ESTrainer(str(grpo_lora_checkpoint), token_sum_reward, args=args, train_dataset=prompt_dataset)
+    assert isinstance(trainer.model, PeftModel) and set(trainer.es_params) == {
+        n for n, _ in trainer.model.named_parameters() if "lora_" in n
+    }
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    trainer.save_model()
+    moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all("lora_" in n for n in moved)  # only the adapter moved
+    saved = tmp_path / "adapter" / "out"
+    assert (saved / "adapter_model.safetensors").is_file()  # a normal PEFT adapter
+    base = AutoModelForCausalLM.from_pretrained(trainer.model.peft_config["default"].base_model_name_or_path)
+    reloaded = PeftModel.from_pretrained(base, saved)
+    for name, p in reloaded.named_parameters():
+        if "lora_" in name:
+            assert torch.equal(p, dict(trainer.model.named_parameters())[name]), name
+
+
+def test_bad_starting_points_are_clear_errors(tmp_path, grpo_lora_checkpoint, tiny_model_dir, prompt_dataset):
+    import json
+    import shutil
+
+    from transformers import AddedToken
+
+    from conftest import es_config
+    from trl_es import ESTrainer
+
+    orphan = tmp_path / "orphan"
+    shutil.copytree(grpo_lora_checkpoint, orphan)
+    config = json.loads((orphan / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "deleted-base")
+    (orphan / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(FileNotFoundError, match="needs its base model"):
+        ESTrainer(str(orphan), token_sum_reward, args=es_config(tmp_path), train_dataset=prompt_dataset)
+
+    no_weights = tmp_path / "checkpoint-7"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((Path(tiny_model_dir) / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="holds no model weights"):
+        ESTrainer(str(no_weights), token_sum_reward, args=es_config(tmp_path), train_dataset=prompt_dataset)
+
+    with pytest.raises(ValueError, match="needs a PEFT adapter"):
+        ESTrainer(tiny_model_dir, token_sum_reward, args=es_config(tmp_path, es_adapter_only=True),
+                  train_dataset=prompt_dataset)
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.add_tokens([AddedToken(f"<extra_{k}>") for k in range(64)])
+    with pytest.raises(ValueError, match="do not belong together"):
+        ESTrainer(tiny_model_dir, token_sum_reward, args=es_config(tmp_path), train_dataset=prompt_dataset,
+                  processing_class=tokenizer)

@@ -93,6 +93,14 @@ class ESConfig(TrainingArguments):
             f"every member's noise is cut, in windows of {CHUNK} elements. 2**24 costs 64 MiB."
         },
     )
+    es_adapter_only: bool = field(
+        default=False,
+        metadata={
+            "help": "When the model is a PEFT adapter directory (e.g. a GRPO LoRA output or checkpoint), perturb and "
+            "train only the adapter's weights and save an adapter; by default the adapter is merged into its base "
+            "and every parameter is trained."
+        },
+    )
     sparse_delta_tau: float | None = field(
         default=None,
         metadata={

@@ -22,8 +22,8 @@ from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel, PreTr
 from transformers.utils import logging
 from trl.models.utils import prepare_deepspeed, unwrap_model_for_generation
 from trl.trainer.base_trainer import _BaseTrainer
+from transformers.trainer_utils import _is_peft_model
 from trl.trainer.utils import (
-    create_model_from_path,
     disable_dropout_in_model,
     get_config_model_id,
     identity,
@@ -31,6 +31,7 @@ from trl.trainer.utils import (
 )
 
 from . import sparse
+from .checkpoints import load_starting_model
 from .config import ESConfig
 from .es import NoiseTable, ParameterSnapshot, apply_update, member_seed, select_parameters, shape_fitness
 from .es.noise import _hash64
@@ -84,20 +85,30 @@ class ESTrainer(_BaseTrainer):
             )
         self._check_dataset(train_dataset)
 
+        tokenizer_path = None
         if isinstance(model, str):
+            if os.path.isfile(os.path.join(model, "tokenizer_config.json")):
+                tokenizer_path = model  # a checkpoint or adapter carries its own tokenizer and chat template
             model_init_kwargs = dict(args.model_init_kwargs or {})
-            model = create_model_from_path(model, **model_init_kwargs)
+            model = load_starting_model(model, args.es_adapter_only, **model_init_kwargs)
         elif args.model_init_kwargs is not None:
             logger.warning("`model_init_kwargs` is ignored: the model is already instantiated.")
-        if not isinstance(model, PreTrainedModel):
-            raise TypeError(f"`model` must be a model id, a path or a PreTrainedModel, got {type(model).__name__}")
+        if not isinstance(model, PreTrainedModel) and not _is_peft_model(model):
+            raise TypeError(
+                f"`model` must be a model id, a path, a PreTrainedModel or a PeftModel, got {type(model).__name__}"
+            )
 
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(
-                get_config_model_id(model.config), padding_side="left", truncation_side="left"
+                tokenizer_path or get_config_model_id(model.config), padding_side="left", truncation_side="left"
             )
         if not isinstance(processing_class, PreTrainedTokenizerBase):
             raise TypeError("`processing_class` must be a tokenizer (PreTrainedTokenizerBase); ESTrainer is text-only")
+        if len(processing_class) > model.get_input_embeddings().num_embeddings:
+            raise ValueError(
+                f"the tokenizer has {len(processing_class)} tokens but the model's embedding only "
+                f"{model.get_input_embeddings().num_embeddings} rows: they do not belong together"
+            )
         if processing_class.pad_token is None:
             processing_class.pad_token = processing_class.eos_token
         model.config.get_text_config().pad_token_id = processing_class.pad_token_id
