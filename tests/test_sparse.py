@@ -59,10 +59,15 @@ def test_threshold_by_tau_and_by_top_fraction(pair):
 
 def test_delta_file_rebuilds_the_thresholded_model_bitwise(tmp_path, pair):
     base, tuned = pair
+    base["c.weight"] = torch.arange(100.0).view(10, 10)  # 1 of 100 kept: stored as an index, the others as masks
+    tuned["c.weight"] = base["c.weight"].clone()
+    tuned["c.weight"][7, 3] += 0.5
     masks = threshold_masks(base, tuned, tau=1e-3)
     path = str(tmp_path / "delta.safetensors")
     metadata = save_delta(path, base, tuned, masks, base_model="tiny", tau=1e-3)
-    assert metadata["kept"] == "2" and float(metadata["sparsity"]) == pytest.approx(5 / 7)
+    assert metadata["kept"] == "3" and float(metadata["sparsity"]) == pytest.approx(1 - 3 / 107)
+    stored = load_delta(path)[0]
+    assert stored["c.weight.indices"].tolist() == [73] and "a.weight.mask" in stored
     rebuilt = apply_delta(base, path)
     expected = thresholded(base, tuned, masks)
     assert all(torch.equal(rebuilt[name], expected[name]) for name in expected)

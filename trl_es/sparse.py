@@ -7,9 +7,10 @@ changes. With Δ = θ_tuned − θ_base (computed in float32):
   and s_τ = share of the nonzero updates with |Δ| ≤ τ, for the whole model and per tensor;
 - thresholding keeps the entries with |Δ| > τ (or the top fraction by |Δ|): the thresholded model takes θ_tuned
   there and θ_base elsewhere;
-- a delta file (safetensors) stores, per tensor, the flat indices of the kept entries and θ_tuned's values there,
-  with the base's identity and a hash of its weights; applied onto the same base it rebuilds the thresholded model
-  bitwise.
+- a delta file (safetensors) stores, per tensor, which entries are kept and θ_tuned's values there, with the base's
+  identity and a hash of its weights; applied onto the same base it rebuilds the thresholded model bitwise. Kept
+  positions are flat int32 indices when fewer than 1/32 of a tensor's entries are kept, else a packed bit mask
+  (1 bit per entry), whichever is smaller; values keep the parameter's dtype (exactness).
 
 Tensors are dicts name → tensor, e.g. `dict(model.named_parameters())` (tied weights appear once).
 """
@@ -22,6 +23,7 @@ import math
 import os
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
@@ -135,15 +137,21 @@ def save_delta(
     tau: float | None = None,
     top_fraction: float | None = None,
 ) -> dict:
-    """Write the kept entries (flat int64 indices and θ_tuned's values, per tensor) to a safetensors file; written
+    """Write the kept entries (their positions and θ_tuned's values, per tensor) to a safetensors file; written
     to a temporary name and renamed, so an existing file is never left half-written. Returns the metadata."""
     tensors, kept = {}, 0
     for name, mask in masks.items():
-        indices = mask.flatten().nonzero().flatten()
-        if indices.numel():
-            tensors[f"{name}.indices"] = indices
-            tensors[f"{name}.values"] = tuned[name].detach().flatten()[indices].to(base[name].dtype).contiguous()
-            kept += indices.numel()
+        flat = mask.flatten().cpu()
+        count = int(flat.sum())
+        if not count:
+            continue
+        if count * 32 < flat.numel():  # 32 bits per kept entry beat 1 bit per entry
+            index_dtype = torch.int32 if flat.numel() < 2**31 else torch.int64
+            tensors[f"{name}.indices"] = flat.nonzero().flatten().to(index_dtype)
+        else:
+            tensors[f"{name}.mask"] = torch.from_numpy(np.packbits(flat.numpy()))
+        tensors[f"{name}.values"] = tuned[name].detach().flatten().cpu()[flat].to(base[name].dtype).contiguous()
+        kept += count
     total = sum(t.numel() for t in base.values())
     metadata = {
         "format": FORMAT,
@@ -193,5 +201,11 @@ def apply_delta(base: Mapping[str, torch.Tensor], path: str, force: bool = False
     result = {name: t.detach().clone() for name, t in base.items()}
     for name, target in result.items():
         if f"{name}.indices" in tensors:
-            target.view(-1)[tensors[f"{name}.indices"]] = tensors[f"{name}.values"].to(target.dtype)
+            positions = tensors[f"{name}.indices"].long()
+        elif f"{name}.mask" in tensors:
+            bits = np.unpackbits(tensors[f"{name}.mask"].numpy(), count=target.numel()).astype(bool)
+            positions = torch.from_numpy(bits).nonzero().flatten()
+        else:
+            continue
+        target.view(-1)[positions.to(target.device)] = tensors[f"{name}.values"].to(target.device, target.dtype)
     return result
