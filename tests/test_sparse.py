@@ -172,3 +172,27 @@ def test_trainer_writes_the_sparse_delta_and_its_statistics_at_save(tmp_path, ti
     assert "sparse_delta.safetensors, τ = 0.01" in card and "s_τ (share of nonzero |Δ| ≤ 0.01)" in card
     with pytest.raises(ValueError, match="sparse_delta_tau"):
         es_config(tmp_path, sparse_delta_tau=-1.0)
+
+
+def test_sparsity_sweep_scores_thresholded_models_and_plots(tmp_path, tiny_model_dir):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from trl_es.sweep import main as sweep
+
+    tuned_dir = tmp_path / "tuned"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 2e-3)
+    model.save_pretrained(tuned_dir)
+    out = tmp_path / "sweep"
+    rows = sweep(["--base", tiny_model_dir, "--tuned", str(tuned_dir), "--taus", "1e-3,4e-3", "--top", "0.01",
+                  "--out-dir", str(out)])
+    assert [row["model"] for row in rows] == ["base", "tuned", "tau=0.001", "tau=0.004", "top_fraction=0.01"]
+    kept = {row["model"]: row["kept"] for row in rows}
+    assert 1 > kept["tau=0.001"] > kept["tau=0.004"] > 0 and kept["top_fraction=0.01"] == pytest.approx(0.01, rel=0.01)
+    assert all(0 <= row["score"] <= 1 for row in rows)
+    assert json.loads((out / "sweep.json").read_text())["rows"] == rows
+    assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -10,6 +10,8 @@
                                          # update statistics and a sparse delta of the entries kept
     trl-es apply-delta --base B --delta delta.safetensors --out M [--force]
                                          # the thresholded model, rebuilt bitwise from the base and the delta
+    trl-es sparsity-sweep --base B --tuned T [--taus 1e-3,2e-3] [--top 0.01]
+                                         # Pass@1 of thresholded updates across τ, delta sizes, a plot
 
 """
 
@@ -219,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, FileNotFoundError) as error:
             print(f"trl-es {command}: {error}", file=sys.stderr)
             return 1
+        return 0
+    if command == "sparsity-sweep":
+        from .sweep import main as sweep
+
+        sweep(rest)
         return 0
     if command == "es":
         from trl import TrlParser
