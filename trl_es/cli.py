@@ -163,7 +163,9 @@ def sparsify(argv: list[str]) -> None:
     _, _, tuned = load_weights(options.tuned)
     stats = update_statistics(base, tuned, [float(t) for t in options.taus.split(",")])["total"]
     masks = threshold_masks(base, tuned, tau=options.tau, top_fraction=options.top_fraction)
-    metadata = save_delta(options.out, base, tuned, masks, options.base, "", options.tau, options.top_fraction)
+    metadata = save_delta(
+        options.out, base, tuned, masks, base_model=options.base, tau=options.tau, top_fraction=options.top_fraction
+    )
     full = sum(t.numel() * t.element_size() for t in base.values())
     print(f"relative L2 ‖Δ‖/‖θ_base‖ {stats['relative_l2']:.4g}; nonzero updates {stats['nonzero']} "
           f"({stats['nonzero_share']:.2%}); " + ", ".join(f"s_{t:g} {s:.2%}" for t, s in stats["s_tau"].items()))
