@@ -125,3 +125,23 @@ def test_bad_starting_points_are_clear_errors(tmp_path, grpo_lora_checkpoint, ti
     with pytest.raises(ValueError, match="do not belong together"):
         ESTrainer(tiny_model_dir, token_sum_reward, args=es_config(tmp_path), train_dataset=prompt_dataset,
                   processing_class=tokenizer)
+
+
+def test_es_starts_from_a_full_grpo_checkpoint(tmp_path, tiny_model_dir, prompt_dataset):
+    from trl import GRPOConfig, GRPOTrainer
+
+    from conftest import es_config
+    from trl_es import ESTrainer
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
+        max_steps=1, learning_rate=1e-2, bf16=False, save_strategy="steps", save_steps=1, report_to="none",
+        disable_tqdm=True,
+    )
+    GRPOTrainer(tiny_model_dir, token_sum_reward, args=args, train_dataset=prompt_dataset).train()
+    checkpoint = tmp_path / "grpo" / "checkpoint-1"
+    assert (checkpoint / "optimizer.pt").is_file()  # a real Trainer checkpoint, not just a model dir
+    trainer = ESTrainer(str(checkpoint), token_sum_reward, args=es_config(tmp_path), train_dataset=prompt_dataset)
+    grpo_weights, original = weights(checkpoint), weights(tiny_model_dir)
+    assert any(not torch.equal(grpo_weights[n], original[n]) for n in original)
+    assert all(torch.equal(p, grpo_weights[n]) for n, p in trainer.model.named_parameters())
