@@ -257,3 +257,16 @@ def test_model_forms_model_init_kwargs_and_pad_token_fallback(tmp_path, tiny_mod
     trainer.train()
     with pytest.raises(TypeError, match="PreTrainedModel"):
         ESTrainer(torch.nn.Linear(2, 2), even_token_share, args=config(tmp_path), train_dataset=prompt_dataset)
+
+
+def test_iterable_dataset_gives_the_same_prompts_in_order(tmp_path, tiny_model_dir, prompt_dataset):
+    seen = []
+
+    def record(prompts, **kwargs):
+        seen.append(prompts[0])
+        return [float(len(p)) for p in prompts]
+
+    args = config(tmp_path, population_size=2, num_generations=1, max_steps=2)
+    ESTrainer(tiny_model_dir, record, args=args, train_dataset=prompt_dataset.to_iterable_dataset()).train()
+    # every member of a step sees the step's prompts; steps read the dataset in its own order, 4 rows at a time
+    assert seen == ["Count to 1:", "Count to 1:", "Count to 5:", "Count to 5:"]
