@@ -7,7 +7,9 @@ import os
 
 from trl.trainer.utils import create_model_from_path
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"
+)
 
 
 def is_adapter_dir(path: str) -> bool:

@@ -29,7 +29,10 @@ def sparsity_sweep(
     score: Callable[[Mapping[str, torch.Tensor]], float],
 ) -> list[dict]:
     """Rows {model, kept, delta_bytes, score} for the base, the tuned model and each ("tau" | "top_fraction", value)."""
-    rows = [{"model": "base", "kept": 0.0, "score": score(base)}, {"model": "tuned", "kept": 1.0, "score": score(tuned)}]
+    rows = [
+        {"model": "base", "kept": 0.0, "score": score(base)},
+        {"model": "tuned", "kept": 1.0, "score": score(tuned)},
+    ]
     with tempfile.TemporaryDirectory() as scratch:
         path = os.path.join(scratch, "delta.safetensors")
         for key, value in settings:
