@@ -1,5 +1,6 @@
 """Built-in tasks: datasets with a "prompt" column plus answer columns, and TRL-signature reward functions."""
 
 from .arithmetic import first_integer_reward, small_sums
+from .countdown import countdown, countdown_reward
 
-__all__ = ["first_integer_reward", "small_sums"]
+__all__ = ["countdown", "countdown_reward", "first_integer_reward", "small_sums"]
