@@ -22,8 +22,11 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-BUILTIN_DATASETS = {"small_sums": "trl_es.tasks.small_sums"}
-BUILTIN_REWARDS = {"first_integer_reward": "trl_es.tasks.first_integer_reward"}
+BUILTIN_DATASETS = {"small_sums": "trl_es.tasks.small_sums", "countdown": "trl_es.tasks.countdown"}
+BUILTIN_REWARDS = {
+    "first_integer_reward": "trl_es.tasks.first_integer_reward",
+    "countdown_reward": "trl_es.tasks.countdown_reward",
+}
 
 
 @dataclass
@@ -37,7 +40,8 @@ class ESScriptArguments:
     dataset_name: str = field(
         default="small_sums",
         metadata={
-            "help": "A built-in task (small_sums), a local .json/.jsonl/.csv/.parquet file, or a hub dataset id."
+            "help": "A built-in task (small_sums, countdown), a local .json/.jsonl/.csv/.parquet file, or a hub "
+            "dataset id."
         },
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (hub datasets)."})
@@ -45,7 +49,8 @@ class ESScriptArguments:
     reward_funcs: list[str] = field(
         default_factory=lambda: ["first_integer_reward"],
         metadata={
-            "help": "Reward functions: built-in names (first_integer_reward, or TRL's accuracy_reward, "
+            "help": "Reward functions: built-in names (first_integer_reward, countdown_reward, or TRL's "
+            "accuracy_reward, "
             "think_format_reward, reasoning_accuracy_reward) or dotted import paths ('my_lib.rewards.fn')."
         },
     )
