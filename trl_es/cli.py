@@ -50,8 +50,8 @@ class ESScriptArguments:
         default_factory=lambda: ["first_integer_reward"],
         metadata={
             "help": "Reward functions: built-in names (first_integer_reward, countdown_reward, or TRL's "
-            "accuracy_reward, "
-            "think_format_reward, reasoning_accuracy_reward) or dotted import paths ('my_lib.rewards.fn')."
+            "accuracy_reward, think_format_reward, reasoning_accuracy_reward) or dotted import paths "
+            "('my_lib.rewards.fn')."
         },
     )
     reward_model_name_or_path: str | None = field(
