@@ -116,6 +116,10 @@ def test_bad_starting_points_are_clear_errors(tmp_path, grpo_lora_checkpoint, ti
     with pytest.raises(FileNotFoundError, match="holds no model weights"):
         ESTrainer(str(no_weights), token_sum_reward, args=es_config(tmp_path), train_dataset=prompt_dataset)
 
+    with pytest.raises(ValueError, match="sparse_delta_tau needs a full model"):
+        ESTrainer(str(grpo_lora_checkpoint), token_sum_reward,
+                  args=es_config(tmp_path, es_adapter_only=True, sparse_delta_tau=1e-3), train_dataset=prompt_dataset)
+
     with pytest.raises(ValueError, match="needs a PEFT adapter"):
         ESTrainer(tiny_model_dir, token_sum_reward, args=es_config(tmp_path, es_adapter_only=True),
                   train_dataset=prompt_dataset)

@@ -97,6 +97,11 @@ class ESTrainer(_BaseTrainer):
             raise TypeError(
                 f"`model` must be a model id, a path, a PreTrainedModel or a PeftModel, got {type(model).__name__}"
             )
+        if _is_peft_model(model) and args.sparse_delta_tau is not None:
+            raise ValueError(
+                "ESConfig.sparse_delta_tau needs a full model: a PEFT adapter is already a compact update (train "
+                "without es_adapter_only to get a sparse delta of the merged model)"
+            )
 
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(
