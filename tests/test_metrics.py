@@ -20,12 +20,16 @@ def test_pass_at_k_by_hand():
 
 
 def test_maj_at_k_by_hand():
-    assert maj_at_k(["3", "4", "3", None], "3", 4) == 1.0
-    assert maj_at_k(["4", "3", "3", "3"], "3", 2) == 0.0  # first 2: a tie, the earlier answer "4" wins
-    assert maj_at_k([None, None, "7"], "7", 2) == 0.0  # no parsed answer among the first 2: wrong, not a crash
-    assert maj_at_k([None, "5", "5"], "5", 3) == 1.0
+    assert maj_at_k(["3", "4", "3", None], [True, False, True, False], 4) == 1.0
+    assert maj_at_k(["4", "3", "3", "3"], [False, True, True, True], 2) == 0.0  # a tie: the earlier answer wins
+    assert maj_at_k([None, None, "7"], [False, False, True], 2) == 0.0  # nothing parsed among the first 2: wrong
+    assert maj_at_k([None, "5", "5"], [False, True, True], 3) == 1.0
+    # equivalent forms vote apart; the winner's verdict decides: "1/2" (2 votes) beats "0.5" (1 vote)
+    assert maj_at_k(["0.5", "1/2", "1/2"], [True, True, True], 3) == 1.0
     with pytest.raises(ValueError, match="1 ≤ K ≤ n"):
-        maj_at_k(["1"], "1", 2)
+        maj_at_k(["1"], [True], 2)
+    with pytest.raises(ValueError, match="verdicts"):
+        maj_at_k(["1", "2"], [True], 1)
 
 
 def test_mean_token_entropy_by_hand():

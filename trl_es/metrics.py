@@ -3,7 +3,8 @@
 - `pass_at_k`: the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on Code"),
   1 − C(n−c, k)/C(n, k) for n samples of which c are correct, computed as a stable product.
 - `maj_at_k`: majority vote over the extracted answers of the first k samples (unparsable answers, None, do not
-  vote; a tie goes to the answer seen first); 1 when the winner equals the reference.
+  vote; a tie goes to the answer seen first); 1 when the winner is a correct answer (the verifier's verdict on a
+  sample giving it, so equivalence is the task's, e.g. math-verify's).
 - `mean_token_entropy`: mean over generated tokens of H(π(·|x_<t)) = −Σ_v p_v log p_v (nats); its collapse is what
   GRPO shows and ES does not.
 - `js_diversity`: verifier-projected Jensen–Shannon diversity of an ES population. Member m's success rates on the
@@ -32,24 +33,31 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
-def maj_at_k(answers: list, reference, k: int) -> float:
-    """1.0 when the most frequent parsed answer among the first k samples equals `reference`, else 0.0."""
+def maj_at_k(answers: list, correct: list[bool], k: int) -> float:
+    """1.0 when the most frequent parsed answer among the first k samples is correct (`correct[i]` is the verifier's
+    verdict on sample i), else 0.0."""
+    if len(answers) != len(correct):
+        raise ValueError(f"{len(answers)} answers but {len(correct)} verdicts")
     if not 1 <= k <= len(answers):
         raise ValueError(f"Maj@{k} needs 1 ≤ K ≤ n samples per problem, got n={len(answers)}")
     votes = Counter(answer for answer in answers[:k] if answer is not None)
     if not votes:
         return 0.0
     top = max(votes.values())
-    winner = next(answer for answer in answers[:k] if answer is not None and votes[answer] == top)
-    return float(winner == reference)
+    winner = next(i for i, answer in enumerate(answers[:k]) if answer is not None and votes[answer] == top)
+    return float(correct[winner])
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """H(softmax(logits)) = −Σ_v p_v log p_v (nats) over the last dimension."""
+    logp = logits.float().log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def mean_token_entropy(logits: torch.Tensor, mask: torch.Tensor) -> float:
     """Mean entropy (nats) of the next-token distributions `logits` (sequences, tokens, vocabulary) over the
     positions where `mask` (sequences, tokens) is true."""
-    logp = logits.float().log_softmax(-1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return float(entropy[mask.bool()].mean())
+    return float(token_entropy(logits)[mask.bool()].mean())
 
 
 def js_diversity(success: torch.Tensor) -> float:

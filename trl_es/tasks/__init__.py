@@ -1,6 +1,66 @@
-"""Built-in tasks: datasets with a "prompt" column plus answer columns, and TRL-signature reward functions."""
+"""Built-in tasks: datasets with a "prompt" column plus answer columns, and TRL-signature reward functions.
 
+`TASKS[name]` bundles a task's loader, its reward, the columns the reward reads and, for Maj@K, its answer
+extractor. Every task's reward is ≥ 1 exactly when the answer is correct (format bonuses stay below 1), so
+"correct" means reward ≥ 1 for evaluation and for `ESConfig.success_threshold`'s default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from . import arithmetic as _arithmetic
+from . import commonsenseqa as _commonsenseqa
+from . import countdown as _countdown
+from . import gsm8k as _gsm8k
+from . import math500 as _math500
 from .arithmetic import first_integer_reward, small_sums
+from .commonsenseqa import choice_reward, commonsenseqa
 from .countdown import countdown, countdown_reward
+from .gsm8k import gsm8k, gsm8k_reward
+from .math500 import math500, math_reward
+from .mbpp import mbpp, mbpp_reward
 
-__all__ = ["countdown", "countdown_reward", "first_integer_reward", "small_sums"]
+
+@dataclass(frozen=True)
+class Task:
+    """`load(split, source=None, conversational=True)` → Dataset; `reward` (TRL signature) reads `answer_columns`;
+    `extract_answer(text)` → the answer a completion votes for in Maj@K (None: Maj@K is not defined, e.g. code)."""
+
+    name: str
+    load: Callable
+    reward: Callable
+    answer_columns: tuple[str, ...]
+    eval_split: str
+    max_completion_length: int
+    extract_answer: Callable[[str], str | None] | None = None
+
+
+TASKS = {
+    "gsm8k": Task("gsm8k", gsm8k, gsm8k_reward, ("answer",), "test", 512, _gsm8k.extract_answer),
+    "math500": Task("math500", math500, math_reward, ("answer",), "test", 1024, _math500.extract_answer),
+    "countdown": Task(
+        "countdown", countdown, countdown_reward, ("numbers", "target"), "test", 512, _countdown.extract_answer
+    ),
+    "commonsenseqa": Task(
+        "commonsenseqa", commonsenseqa, choice_reward, ("answer",), "validation", 256, _commonsenseqa.extract_answer
+    ),
+    "mbpp": Task("mbpp", mbpp, mbpp_reward, ("test_list", "test_imports"), "test", 512, None),
+    "small_sums": Task(
+        "small_sums", small_sums, first_integer_reward, ("answer",), "test", 32, _arithmetic.extract_answer
+    ),
+}
+
+
+def get_task(name: str) -> Task:
+    """The built-in task `name`, or a ValueError listing them."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; built-in tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[name]
+
+
+__all__ = [
+    "TASKS", "Task", "choice_reward", "commonsenseqa", "countdown", "countdown_reward", "first_integer_reward",
+    "get_task", "gsm8k", "gsm8k_reward", "math500", "math_reward", "mbpp", "mbpp_reward", "small_sums",
+]

@@ -32,12 +32,17 @@ def _text(completion) -> str:
     return completion if isinstance(completion, str) else completion[-1]["content"]
 
 
+def extract_answer(text: str) -> str | None:
+    """The completion's first integer (its answer, for Maj@K), or None."""
+    match = _INTEGER.search(text)
+    return match.group() if match else None
+
+
 def first_integer_reward(completions, answer, **kwargs) -> list[float]:
     """1.0 when the first integer in the completion equals `answer`, plus 0.1 when the completion is only a number."""
     rewards = []
     for completion, expected in zip(completions, answer, strict=True):
         text = _text(completion)
-        match = _INTEGER.search(text)
-        correct = match is not None and match.group() == str(expected).strip()
+        correct = extract_answer(text) == str(expected).strip()
         rewards.append(float(correct) + (0.1 if _ONLY_A_NUMBER.fullmatch(text) else 0.0))
     return rewards

@@ -96,6 +96,12 @@ def evaluate_expression(text: str) -> float:
         raise ValueError(str(error)) from error
 
 
+def extract_answer(text: str) -> str | None:
+    """The content of the completion's last <answer>…</answer> (its vote in Maj@K), or None."""
+    answers = _ANSWER.findall(text)
+    return answers[-1].strip() if answers else None
+
+
 def countdown_answer_reward(completion: str, numbers: list[int], target) -> float:
     """1.0 when the last <answer> uses each number exactly once and equals `target` (|x − target| < 1e-5)."""
     answers = _ANSWER.findall(completion)

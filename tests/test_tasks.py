@@ -1,0 +1,116 @@
+"""The reasoning tasks: loaders on the real benchmark files (first rows, tests/data), rewards and answer extraction."""
+
+import json
+
+import pytest
+
+from trl_es.tasks import (
+    TASKS,
+    choice_reward,
+    commonsenseqa,
+    get_task,
+    gsm8k,
+    gsm8k_reward,
+    math500,
+    math_reward,
+)
+from trl_es.tasks.commonsenseqa import extract_answer as choice_answer
+from trl_es.tasks.data import local_data
+from trl_es.tasks.gsm8k import extract_answer as gsm8k_answer
+from trl_es.tasks.gsm8k import reference_answer
+
+
+def test_gsm8k_loader_and_reference_answers():
+    rows = gsm8k("test")
+    assert len(rows) == 8 and {"prompt", "question", "answer"} <= set(rows.column_names)
+    assert rows[0]["answer"] == "18"  # "Janet's ducks … #### 18"
+    assert rows[0]["prompt"][0]["role"] == "user" and rows[0]["prompt"][0]["content"].endswith('after "####".')
+    assert isinstance(gsm8k("train", conversational=False)[0]["prompt"], str)
+    with pytest.raises(ValueError, match="unknown GSM8K split"):
+        gsm8k("dev")
+
+
+def test_gsm8k_reward_by_hand():
+    completions = [
+        "She sells 9 eggs at $2: 9 * 2 = 18\n#### 18",
+        "The answer is \\boxed{18}.",
+        "16 - 3 - 4 = 9, and 9 * 2 = 18 dollars.",  # no marker: the last number
+        "#### 1,8",  # "1,8" → 18 after removing the comma, as GSM8K's references do
+        "#### 17",
+        "I do not know.",  # unparsable: wrong, not an error
+        [{"role": "assistant", "content": "#### 18.0"}],
+    ]
+    assert gsm8k_reward(completions, ["18"] * 7) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    assert gsm8k_answer("it costs $1,000.") == "1000"
+    assert gsm8k_answer("no numbers") is None
+    with pytest.raises(ValueError, match="####"):
+        reference_answer("no final answer")
+
+
+def test_math500_loader_and_math_verify_equivalence():
+    rows = math500()
+    assert len(rows) == 8 and "\\boxed{}" in rows[0]["prompt"][0]["content"]
+    assert rows[3]["answer"] == "9"  # "How many positive whole-number divisors does 196 have?"
+    completions = ["so \\boxed{\\frac{1}{2}}", "the answer is \\boxed{0.5}", "\\boxed{2/4}", "\\boxed{0.6}",
+                   "\\boxed{", "}}{{ garbage \\frac"]
+    assert math_reward(completions, ["\\frac12"] * 6) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="only the 'test' split"):
+        math500("train")
+
+
+def test_commonsenseqa_loader_reward_and_hub_layout(tmp_path):
+    rows = commonsenseqa()
+    assert len(rows) == 8 and rows[0]["answer"] == "A"
+    text = rows[0]["prompt"][0]["content"]
+    assert "A. bank" in text and "E. new york" in text and text.endswith('"Answer: X".')
+    assert choice_reward(["Answer: A", "The answer is B.", "A", "(A)", "Answer: Bank", "I think a"], ["A"] * 6) == [
+        1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    assert choice_answer("Answer: C ... Answer: D") == "D"
+    # the hub's layout (question string, choices {label, text}) through load_dataset on a directory, as for a hub id
+    folder = tmp_path / "csqa"
+    folder.mkdir()
+    row = {"id": "x", "question": "Where do fish live?", "question_concept": "fish", "answerKey": "B",
+           "choices": {"label": ["A", "B"], "text": ["tree", "water"]}}
+    (folder / "validation.jsonl").write_text(json.dumps(row) + "\n")
+    hub_like = commonsenseqa("validation", source=str(folder), conversational=False)
+    assert hub_like[0]["answer"] == "B" and "B. water" in hub_like[0]["prompt"]
+    with pytest.raises(ValueError, match="test has no answers"):
+        commonsenseqa("test")
+
+
+def test_local_files_and_their_errors(tmp_path, monkeypatch):
+    good = tmp_path / "mine.jsonl"
+    good.write_text(json.dumps({"question": "1+1?", "answer": "so #### 2"}) + "\n")
+    assert gsm8k(source=str(good))[0]["answer"] == "2"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "1+1?", "solution": "2"}) + "\n")
+    with pytest.raises(ValueError, match=r"no column\(s\) \['answer'\]"):
+        gsm8k(source=str(bad))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        gsm8k(source=str(tmp_path / "missing.jsonl"))
+    monkeypatch.setenv("TRL_ES_DATA", str(tmp_path))  # no local copy there: the hub id is the source
+    assert local_data("gsm8k/test.jsonl", hub_id="openai/gsm8k") == "openai/gsm8k"
+
+
+def test_every_task_rewards_its_reference_answers_and_only_them():
+    """Reward ≥ 1 exactly for correct answers (the evaluation's notion of correct), on the real rows."""
+    references = {
+        "gsm8k": lambda row: f"Step by step.\n#### {row['answer']}",
+        "math500": lambda row: f"So the answer is $\\boxed{{{row['answer']}}}$.",
+        "commonsenseqa": lambda row: f"Answer: {row['answer']}",
+        "countdown": lambda row: f"...</think>\n<answer>{row['solution']}</answer>",
+        "small_sums": lambda row: row["answer"],
+    }
+    wrong = {"gsm8k": "#### -1", "math500": "\\boxed{-12345}", "commonsenseqa": "Answer: Z",
+             "countdown": "</think>\n<answer>1 + 1</answer>", "small_sums": "-1"}
+    for name, reference in references.items():
+        task = get_task(name)
+        rows = task.load(task.eval_split).select(range(6))
+        columns = {c: rows[c] for c in task.answer_columns}
+        right = task.reward(completions=[reference(row) for row in rows], **columns)
+        assert all(r >= 1.0 for r in right), (name, right)
+        assert all(r < 1.0 for r in task.reward(completions=[wrong[name]] * 6, **columns)), name
+        assert task.extract_answer(reference(rows[0])) is not None
+    assert TASKS["mbpp"].extract_answer is None  # programs are not voted on: no Maj@K for code
+    with pytest.raises(ValueError, match="unknown task 'gsm9k'; built-in tasks: commonsenseqa, countdown"):
+        get_task("gsm9k")

@@ -1,0 +1,55 @@
+"""Where task data comes from: a local file, a hub id, or the repository's copy of the benchmark files.
+
+`local_data("gsm8k/test.jsonl", hub_id="openai/gsm8k")` looks for the file under `$TRL_ES_DATA`, else under
+`../shared/data` next to this repository's checkout, and returns its path; without a local copy it returns the hub
+id, which `load_rows` hands to `datasets.load_dataset` (no Hub access on our own machines: tests and CI use local
+files).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from datasets import Dataset, load_dataset
+
+_REPOSITORY_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+_FILE_SUFFIXES = (".json", ".jsonl")
+
+
+def data_root() -> Path:
+    """`$TRL_ES_DATA`, else `../shared/data` beside the checkout holding this package."""
+    return Path(os.environ["TRL_ES_DATA"]) if os.environ.get("TRL_ES_DATA") else _REPOSITORY_DATA
+
+
+def local_data(relative: str, hub_id: str) -> str:
+    """The local copy `data_root()/relative` when it exists, else `hub_id`."""
+    path = data_root() / relative
+    return str(path) if path.is_file() else hub_id
+
+
+def load_rows(source: str, split: str, hub_config: str | None = None) -> Dataset:
+    """Rows from a local .json/.jsonl file (all of it; the caller picks its split) or from `load_dataset(source,
+    hub_config, split=split)` for a hub id or a local dataset directory."""
+    if source.endswith(_FILE_SUFFIXES):
+        if not os.path.isfile(source):
+            raise FileNotFoundError(f"task data file {source!r} does not exist")
+        return load_dataset("json", data_files=source, split="train")
+    return load_dataset(source, hub_config, split=split)
+
+
+def require_columns(dataset: Dataset, columns: list[str], source: str) -> None:
+    """A clear error when `dataset` lacks a column the task reads."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(f"{source!r} has no column(s) {missing} (columns: {dataset.column_names})")
+
+
+def as_prompt(text: str, conversational: bool):
+    """One user message (a chat prompt) or the plain text."""
+    return [{"role": "user", "content": text}] if conversational else text
+
+
+def completion_text(completion) -> str:
+    """The text of a completion given as a string or as a list of messages (TRL's two formats)."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]

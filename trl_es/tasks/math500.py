@@ -1,0 +1,53 @@
+"""MATH-500 (Lightman et al. 2023): competition problems with LaTeX answers, checked for equivalence by math-verify.
+
+Prompt template (SimpleRL/veRL's): `{problem} Let's think step by step and output the final answer within
+\\boxed{}.`, as one user message (or plain text). Answer column `answer` (LaTeX, from the data). A completion is
+correct when math-verify's `verify(parse("$answer$"), parse(completion))` holds (equivalent numbers, fractions,
+intervals, expressions…); its vote for Maj@K is math-verify's string form of what it parsed.
+"""
+
+from __future__ import annotations
+
+from .data import as_prompt, completion_text, load_rows, local_data, require_columns
+
+TEMPLATE = "{problem} Let's think step by step and output the final answer within \\boxed{{}}."
+
+
+def math500(split: str = "test", source: str | None = None, conversational: bool = True):
+    """Columns `prompt`, `problem`, `answer`, `subject`, `level`. `source`: a local .jsonl file, a hub id
+    (`HuggingFaceH4/MATH-500`) or None for the local copy."""
+    if split != "test":
+        raise ValueError(f"MATH-500 has only the 'test' split, got {split!r}")
+    source = source or local_data("math500/test.jsonl", hub_id="HuggingFaceH4/MATH-500")
+    rows = load_rows(source, split)
+    require_columns(rows, ["problem", "answer"], source)
+    return rows.map(lambda row: {"prompt": as_prompt(TEMPLATE.format(problem=row["problem"]), conversational)})
+
+
+def _parse(text: str) -> list:
+    from math_verify import parse
+
+    try:
+        return parse(text)
+    except Exception:  # noqa: BLE001 — math-verify's parser errors and timeouts: unparsable means wrong
+        return []
+
+
+def extract_answer(text: str) -> str | None:
+    """math-verify's string form of the completion's final answer; None when it finds none."""
+    parsed = _parse(text)
+    return str(parsed[-1]) if parsed else None
+
+
+def math_reward(completions, answer, **kwargs) -> list[float]:
+    """TRL-signature reward: 1.0 when the completion's answer is equivalent to `answer` (math-verify), else 0.0."""
+    from math_verify import verify
+
+    rewards = []
+    for completion, reference in zip(completions, answer, strict=True):
+        gold, predicted = _parse(f"${reference}$"), _parse(completion_text(completion))
+        try:
+            rewards.append(float(bool(gold and predicted and verify(gold, predicted))))
+        except Exception:  # noqa: BLE001 — a comparison math-verify cannot make counts as wrong
+            rewards.append(0.0)
+    return rewards
