@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-from trl.trainer.utils import create_model_from_path
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from trl.trainer.utils import create_model_from_path, get_config_model_id
 
 WEIGHT_FILES = (
     "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -50,3 +51,18 @@ def _load_adapter(path: str, adapter_only: bool, model_init_kwargs: dict):
     if adapter_only:
         return model
     return model.merge_and_unload().requires_grad_(True)  # PEFT froze the base; merged, every weight is trainable
+
+
+def load_tokenizer(path: str | None, model) -> PreTrainedTokenizerBase:
+    """The tokenizer (left padding, for generation) from `path` when it holds one — a checkpoint or adapter carries
+    its own tokenizer and chat template — else from the model's own id."""
+    if path is None or not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+        path = get_config_model_id(model.config)
+    return AutoTokenizer.from_pretrained(path, padding_side="left", truncation_side="left")
+
+
+def eos_token_ids(model, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Every token that ends a completion: the model's generation-config EOS ids and the tokenizer's EOS."""
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return ids if tokenizer.eos_token_id in ids else [tokenizer.eos_token_id, *ids]

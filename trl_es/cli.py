@@ -12,6 +12,9 @@
                                          # the thresholded model, rebuilt bitwise from the base and the delta
     trl-es sparsity-sweep --base B --tuned T [--taus 1e-3,2e-3] [--top 0.01]
                                          # Pass@1 of thresholded updates across τ, delta sizes, a plot
+    trl-es eval --model M [--model M2 ...] --task gsm8k --n 8 --k 1,4,8 [--limit 50] [--out-dir D]
+                                         # Pass@K, Maj@K and token entropy per model: a table, results.json,
+                                         # Pass@K-profile and Pareto plots; resumes an interrupted run
 
 """
 
@@ -22,11 +25,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-BUILTIN_DATASETS = {"small_sums": "trl_es.tasks.small_sums", "countdown": "trl_es.tasks.countdown"}
-BUILTIN_REWARDS = {
-    "first_integer_reward": "trl_es.tasks.first_integer_reward",
-    "countdown_reward": "trl_es.tasks.countdown_reward",
-}
+BUILTIN_REWARDS = ("first_integer_reward", "countdown_reward", "gsm8k_reward", "math_reward", "choice_reward",
+                   "mbpp_reward")
 
 
 @dataclass
@@ -40,8 +40,8 @@ class ESScriptArguments:
     dataset_name: str = field(
         default="small_sums",
         metadata={
-            "help": "A built-in task (small_sums, countdown), a local .json/.jsonl/.csv/.parquet file, or a hub "
-            "dataset id."
+            "help": "A built-in task (small_sums, countdown, gsm8k, math500, commonsenseqa, mbpp), a local "
+            ".json/.jsonl/.csv/.parquet file, or a hub dataset id."
         },
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (hub datasets)."})
@@ -49,7 +49,8 @@ class ESScriptArguments:
     reward_funcs: list[str] = field(
         default_factory=lambda: ["first_integer_reward"],
         metadata={
-            "help": "Reward functions: built-in names (first_integer_reward, countdown_reward, or TRL's "
+            "help": "Reward functions: built-in names (first_integer_reward, countdown_reward, gsm8k_reward, "
+            "math_reward, choice_reward, mbpp_reward, or TRL's "
             "accuracy_reward, think_format_reward, reasoning_accuracy_reward) or dotted import paths "
             "('my_lib.rewards.fn')."
         },
@@ -73,7 +74,7 @@ def load_reward_funcs(names: list[str], reward_model: str | None = None) -> list
     funcs = [reward_model] if reward_model else []
     for name in names:
         if name in BUILTIN_REWARDS:
-            funcs.append(_import(BUILTIN_REWARDS[name]))
+            funcs.append(getattr(importlib.import_module("trl_es.tasks"), name))
         elif hasattr(trl.rewards, name):
             funcs.append(getattr(trl.rewards, name))
         elif "." in name:
@@ -92,8 +93,10 @@ def load_reward_funcs(names: list[str], reward_model: str | None = None) -> list
 def load_train_dataset(name: str, config: str | None, split: str):
     from datasets import load_dataset
 
-    if name in BUILTIN_DATASETS:
-        return _import(BUILTIN_DATASETS[name])(split)
+    from .tasks import TASKS
+
+    if name in TASKS:
+        return TASKS[name].load(split)
     if os.path.isfile(name):
         suffix = name.rsplit(".", 1)[-1]
         builder = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}.get(suffix)
@@ -227,6 +230,15 @@ def main(argv: list[str] | None = None) -> int:
             (sparsify if command == "sparsify" else apply_delta_command)(rest)
         except (ValueError, FileNotFoundError) as error:
             print(f"trl-es {command}: {error}", file=sys.stderr)
+            return 1
+        return 0
+    if command == "eval":
+        from .evaluation import main as evaluate
+
+        try:
+            evaluate(rest)
+        except (ValueError, FileNotFoundError) as error:
+            print(f"trl-es eval: {error}", file=sys.stderr)
             return 1
         return 0
     if command == "sparsity-sweep":

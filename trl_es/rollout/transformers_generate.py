@@ -5,8 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from trl.data_utils import is_conversational
+
+from ..metrics import token_entropy
 
 
 @dataclass
@@ -17,6 +25,19 @@ class Rollout:
     completions: list
     completion_ids: list[list[int]]
     truncated: list[bool]
+    entropy_sums: list[float] | None = None  # Σ over each completion's tokens of H(π(·|x_<t)), when recorded
+
+
+class EntropyRecorder(LogitsProcessor):
+    """Records each row's next-token entropy at every step and leaves the scores unchanged. transformers runs user
+    processors before temperature, top-k and top-p, so this is the entropy of the model's own distribution."""
+
+    def __init__(self):
+        self.steps: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.steps.append(token_entropy(scores).cpu())
+        return scores
 
 
 class TransformersRollout:
@@ -47,14 +68,18 @@ class TransformersRollout:
         return self.tokenizer(text=prompts)["input_ids"]
 
     @torch.no_grad()
-    def generate(self, prompts: list, prompt_ids: list[list[int]], num_generations: int, seed: int) -> Rollout:
-        """Sample with the torch RNG seeded by `seed` (forked, so the caller's RNG state is untouched)."""
+    def generate(
+        self, prompts: list, prompt_ids: list[list[int]], num_generations: int, seed: int, record_entropy: bool = False
+    ) -> Rollout:
+        """Sample with the torch RNG seeded by `seed` (forked, so the caller's RNG state is untouched); with
+        `record_entropy`, also the sum of the token entropies of each completion."""
         repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
         width = max(map(len, repeated))
         pad = self.tokenizer.pad_token_id
         input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in repeated])
         attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in repeated])
         device = self.model.device
+        recorder = EntropyRecorder() if record_entropy else None
         was_training = self.model.training
         self.model.eval()
         try:
@@ -65,6 +90,7 @@ class TransformersRollout:
                     attention_mask=attention_mask.to(device),
                     generation_config=self.generation_config,
                     synced_gpus=False,  # processes generate for different members, never in lockstep
+                    logits_processor=LogitsProcessorList([recorder] if recorder else []),
                 )
         finally:
             self.model.train(was_training)
@@ -79,4 +105,8 @@ class TransformersRollout:
             completions = [[{"role": "assistant", "content": text}] for text in texts]
         else:
             completions = texts
-        return Rollout(repeated_prompts, completions, completion_ids, truncated)
+        entropy_sums = None
+        if recorder is not None:
+            per_step = torch.stack(recorder.steps, dim=1).double()  # (rows, generated steps)
+            entropy_sums = [float(per_step[row, : len(ids)].sum()) for row, ids in enumerate(completion_ids)]
+        return Rollout(repeated_prompts, completions, completion_ids, truncated, entropy_sums)

@@ -1,0 +1,318 @@
+"""Pass@K / Maj@K / token-entropy evaluation of models on a task: `trl-es eval` and its Python API.
+
+    trl-es eval --model smollm2 --model outputs/es --task gsm8k --n 8 --k 1,4,8 --limit 50 --out-dir outputs/eval
+
+For each model, n completions are sampled per problem (transformers `generate`, the trainer's rollout backend) and
+scored by the task's reward (correct ⇔ reward ≥ 1, `trl_es.tasks`). Per problem: the unbiased Pass@K, Maj@K over
+the extracted answers and the completions' token entropy (`trl_es.metrics`); the model's scores are their means.
+Problems are generated in fixed batches, each with its own seed, and every finished batch is appended to
+`<out-dir>/records/<model>.jsonl`: an interrupted evaluation resumes where it stopped and gives the same numbers.
+Writes `results.json`, prints the paper's tables (rows = models, columns = task × @K) and saves `pass_at_k.png`
+(the Pass@K profile of each model) and `pareto.png` (Pass@1 against Pass@K_max across models, with their front).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import time
+from collections.abc import Callable
+
+from .metrics import maj_at_k, pass_at_k
+from .tasks import Task, get_task
+
+
+def score_problems(rows: list[dict], correct: list[bool], answers: list | None, n: int, k_values: list[int]) -> dict:
+    """Pass@K and Maj@K summed over `rows`, from their n-per-problem verdicts and answers (prompt-major order)."""
+    sums = {f"pass@{k}": 0.0 for k in k_values}
+    if answers is not None:
+        sums.update({f"maj@{k}": 0.0 for k in k_values})
+    for p in range(len(rows)):
+        verdicts = correct[p * n : (p + 1) * n]
+        for k in k_values:
+            sums[f"pass@{k}"] += pass_at_k(n, sum(verdicts), k)
+            if answers is not None:
+                sums[f"maj@{k}"] += maj_at_k(answers[p * n : (p + 1) * n], verdicts, k)
+    return sums
+
+
+def check_k(n: int, k_values: list[int]) -> list[int]:
+    """Sorted K values, each in 1..n (a ValueError otherwise)."""
+    bad = [k for k in k_values if not 1 <= k <= n]
+    if bad or not k_values:
+        raise ValueError(f"every K must be in 1..n={n} samples per problem, got K={k_values}")
+    return sorted(set(k_values))
+
+
+def load_problems(task: Task, split: str | None, source: str | None, limit: int | None):
+    """The task's evaluation rows (first `limit`), checked for the columns its reward reads."""
+    options = {}
+    if source is not None:
+        if "source" not in inspect.signature(task.load).parameters:
+            raise ValueError(f"task {task.name!r} is generated, not read from files: it takes no source")
+        options["source"] = source
+    dataset = task.load(split or task.eval_split, **options)
+    missing = [c for c in ("prompt", *task.answer_columns) if c not in dataset.column_names]
+    if missing:
+        raise ValueError(f"the {task.name} data lacks column(s) {missing} that its reward reads")
+    if limit is not None:
+        dataset = dataset.select(range(min(limit, len(dataset))))
+    if len(dataset) == 0:
+        raise ValueError(f"the {task.name} data has no rows")
+    return dataset
+
+
+def _model_name(path: str, taken: set[str]) -> str:
+    name = os.path.basename(os.path.normpath(path)) or path
+    while name in taken:
+        name += "'"
+    taken.add(name)
+    return name
+
+
+def _load(path: str):
+    from .checkpoints import eos_token_ids, load_starting_model, load_tokenizer
+    from .models import smollm2_dir
+
+    path = smollm2_dir() if path == "smollm2" else path
+    model = load_starting_model(path)
+    tokenizer = load_tokenizer(path, model)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.eval(), tokenizer, eos_token_ids(model, tokenizer)
+
+
+def evaluate_model(
+    model_path: str,
+    task: Task,
+    dataset,
+    n: int,
+    k_values: list[int],
+    records_path: str,
+    settings: dict,
+    batch_size: int = 8,
+    progress: Callable[[str], None] = print,
+) -> dict:
+    """Sample n completions per problem of `dataset` from the model at `model_path`, appending one JSON line per
+    batch to `records_path` (resuming from the batches already there), and return the model's scores."""
+    import torch
+    from transformers import GenerationConfig
+
+    from .es.noise import _hash64
+    from .rollout import TransformersRollout
+
+    done = _read_records(records_path, settings)
+    model, tokenizer, eos_ids = _load(model_path)
+    generation = GenerationConfig(
+        max_new_tokens=settings["max_completion_length"], do_sample=True, temperature=settings["temperature"],
+        top_p=settings["top_p"], top_k=0, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids,
+        disable_compile=True,
+    )
+    rollout = TransformersRollout(model, tokenizer, generation, eos_ids)
+    start, n_batches = time.perf_counter(), -(-len(dataset) // batch_size)
+    with open(records_path, "a") as out:
+        if not done:
+            out.write(json.dumps({"settings": settings}) + "\n")
+        for b in range(n_batches):
+            if b in done:
+                continue
+            rows = dataset.select(range(b * batch_size, min((b + 1) * batch_size, len(dataset)))).to_list()
+            prompts = [row["prompt"] for row in rows]
+            with torch.no_grad():
+                result = rollout.generate(prompts, rollout.tokenize(prompts), n, _hash64("eval", settings["seed"], b),
+                                          record_entropy=True)
+            texts = [c if isinstance(c, str) else c[-1]["content"] for c in result.completions]
+            columns = {c: [row[c] for row in rows for _ in range(n)] for c in task.answer_columns}
+            rewards = task.reward(prompts=result.prompts, completions=result.completions,
+                                  completion_ids=result.completion_ids, **columns)
+            correct = [r is not None and r >= 1.0 for r in rewards]
+            answers = [task.extract_answer(t) for t in texts] if task.extract_answer else None
+            done[b] = {
+                "batch": b, "problems": len(rows), **score_problems(rows, correct, answers, n, k_values),
+                "tokens": sum(map(len, result.completion_ids)), "entropy_sum": sum(result.entropy_sums),
+                "correct": correct, "answers": answers,
+            }
+            out.write(json.dumps(done[b]) + "\n")
+            out.flush()
+            finished = sum(r["problems"] for r in done.values())
+            running = sum(r["pass@1"] for r in done.values()) / finished if 1 in k_values else float("nan")
+            progress(f"  {os.path.basename(records_path)[:-6]}: {finished}/{len(dataset)} problems, "
+                     f"{time.perf_counter() - start:.0f} s, Pass@1 so far {running:.3f}")
+    return summarize_records(list(done.values()), k_values)
+
+
+def _read_records(path: str, settings: dict) -> dict[int, dict]:
+    """The finished batches of an earlier run with the same settings (a ValueError for other settings)."""
+    if not os.path.isfile(path):
+        return {}
+    done = {}
+    with open(path) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    if lines and lines[0].get("settings") != settings:
+        raise ValueError(
+            f"{path} holds an evaluation with other settings ({lines[0].get('settings')}); use another --out-dir "
+            "or delete it to start over"
+        )
+    for record in lines[1:]:
+        done[record["batch"]] = record
+    return done
+
+
+def summarize_records(records: list[dict], k_values: list[int]) -> dict:
+    """Means over problems of Pass@K and Maj@K; mean token entropy and completion length over completions."""
+    problems = sum(r["problems"] for r in records)
+    tokens = sum(r["tokens"] for r in records)
+    completions = sum(len(r["correct"]) for r in records)
+    summary = {"problems": problems}
+    for key in [f"{m}@{k}" for m in ("pass", "maj") for k in k_values]:
+        if key in records[0]:
+            summary[key] = sum(r[key] for r in records) / problems
+    summary["mean_token_entropy"] = sum(r["entropy_sum"] for r in records) / max(tokens, 1)
+    summary["mean_completion_length"] = tokens / completions
+    return summary
+
+
+def evaluate(
+    models: list[str],
+    task: str,
+    n: int = 8,
+    k: list[int] = (1,),
+    out_dir: str = "outputs/eval",
+    split: str | None = None,
+    source: str | None = None,
+    limit: int | None = None,
+    max_completion_length: int | None = None,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    batch_size: int = 8,
+    seed: int = 0,
+    progress: Callable[[str], None] = print,
+) -> dict:
+    """Evaluate every model on `task` (see the module docstring); returns and writes `results.json`:
+    {"task", "settings", "models": {name: {"path", "pass@K"..., "maj@K"..., "mean_token_entropy", "wall_s"}}}.
+    Bad input (unknown task, K outside 1..n, missing columns) fails before any model is loaded."""
+    task_ = get_task(task)
+    k_values = check_k(n, list(k))
+    if not models:
+        raise ValueError("give at least one model")
+    dataset = load_problems(task_, split, source, limit)
+    settings = {
+        "task": task, "split": split or task_.eval_split, "source": source, "problems": len(dataset), "n": n,
+        "max_completion_length": max_completion_length or task_.max_completion_length, "temperature": temperature,
+        "top_p": top_p, "batch_size": batch_size, "seed": seed,
+    }
+    os.makedirs(os.path.join(out_dir, "records"), exist_ok=True)
+    results, taken = {"task": task, "settings": settings, "k": k_values, "models": {}}, set()
+    for path in models:
+        name = _model_name(path, taken)
+        progress(f"{name}: {task} × {len(dataset)} problems, n={n}")
+        start = time.perf_counter()
+        scores = evaluate_model(path, task_, dataset, n, k_values, os.path.join(out_dir, "records", f"{name}.jsonl"),
+                                {**settings, "model": path}, batch_size, progress)
+        results["models"][name] = {"path": path, **scores, "wall_s": round(time.perf_counter() - start, 1)}
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    plot_pass_at_k(results, os.path.join(out_dir, "pass_at_k.png"))
+    plot_pareto(results, os.path.join(out_dir, "pareto.png"))
+    return results
+
+
+def table(results: dict, metric: str = "pass") -> str:
+    """The paper's layout: one row per model, one column per task × @K (`metric` "pass" or "maj")."""
+    keys = [f"{metric}@{k}" for k in results["k"]]
+    titles = [f"{results['task']} {metric.capitalize()}@{k}" for k in results["k"]]
+    width = max(map(len, titles)) + 2
+    lines = [f"{'model':24}" + "".join(title.rjust(width) for title in titles)]
+    for name, scores in results["models"].items():
+        cells = (f"{scores[key]:.3f}" if key in scores else "-" for key in keys)
+        lines.append(f"{name:24}" + "".join(cell.rjust(width) for cell in cells))
+    return "\n".join(lines)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_pass_at_k(results: dict, path: str) -> None:
+    """Pass@K against K (log scale), one line per model."""
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for name, scores in results["models"].items():
+        axes.plot(results["k"], [scores[f"pass@{k}"] for k in results["k"]], "o-", label=name)
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(results["k"], [str(k) for k in results["k"]])
+    axes.set_xlabel("K")
+    axes.set_ylabel(f"{results['task']} Pass@K")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
+    """Names of the points no other point beats on both coordinates (ties kept), by increasing x."""
+    front = [name for name, (x, y) in points.items()
+             if not any(ox >= x and oy >= y and (ox, oy) != (x, y) for ox, oy in points.values())]
+    return sorted(front, key=lambda name: points[name])
+
+
+def plot_pareto(results: dict, path: str) -> None:
+    """Pass@1 against Pass@K_max across models, the Pareto front joined."""
+    k_max, plt = results["k"][-1], _pyplot()
+    points = {name: (s[f"pass@{results['k'][0]}"], s[f"pass@{k_max}"]) for name, s in results["models"].items()}
+    figure, axes = plt.subplots(figsize=(5, 4))
+    for name, (x, y) in points.items():
+        axes.plot(x, y, "o")
+        axes.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    front = pareto_front(points)
+    axes.plot([points[n][0] for n in front], [points[n][1] for n in front], "--", color="gray", label="Pareto front")
+    axes.set_xlabel(f"Pass@{results['k'][0]}")
+    axes.set_ylabel(f"Pass@{k_max}")
+    axes.set_title(results["task"])
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="trl-es eval", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", action="append", required=True,
+                        help="a model directory, checkpoint, PEFT adapter or id ('smollm2'); repeat for several")
+    parser.add_argument("--task", required=True, help="gsm8k, math500, countdown, commonsenseqa, mbpp, small_sums")
+    parser.add_argument("--n", type=int, default=8, help="completions sampled per problem")
+    parser.add_argument("--k", default="1", help="comma-separated K values for Pass@K and Maj@K, each ≤ n")
+    parser.add_argument("--split", default=None, help="the task's split (default: its evaluation split)")
+    parser.add_argument("--source", default=None, help="a local data file or hub id instead of the built-in copy")
+    parser.add_argument("--limit", type=int, default=None, help="evaluate the first LIMIT problems")
+    parser.add_argument("--max-completion-length", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--batch-size", type=int, default=8, help="problems per generate call (× n completions)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", default="outputs/eval")
+    options = parser.parse_args(argv)
+    try:
+        k_values = [int(k) for k in options.k.split(",") if k]
+    except ValueError:
+        parser.error(f"--k must be comma-separated integers, got {options.k!r}")
+    results = evaluate(
+        options.model, options.task, options.n, k_values, options.out_dir, options.split, options.source,
+        options.limit, options.max_completion_length, options.temperature, options.top_p, options.batch_size,
+        options.seed,
+    )
+    print(table(results, "pass"))
+    if any(key.startswith("maj@") for key in next(iter(results["models"].values()))):
+        print(table(results, "maj"))
+    for name, scores in results["models"].items():
+        print(f"{name}: mean token entropy {scores['mean_token_entropy']:.3f} nats, mean length "
+              f"{scores['mean_completion_length']:.1f} tokens, {scores['wall_s']:.0f} s")
+    print(f"wrote {options.out_dir}/results.json, pass_at_k.png, pareto.png")
+    return results
