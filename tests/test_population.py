@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from trl_es.population import all_reduce_summaries, local_slots, population_metrics, summarize, summary_width
+from trl_es.population import (
+    all_reduce_summaries,
+    local_slots,
+    population_diversity,
+    population_metrics,
+    summarize,
+    summary_width,
+)
 
 
 def test_slots_are_dealt_round_robin_and_cover_the_population_once():
@@ -19,13 +26,14 @@ def test_slots_are_dealt_round_robin_and_cover_the_population_once():
 
 def test_summary_row_and_metrics_by_hand():
     nan = math.nan
-    # member 0: completions with combined rewards 1 and 3 (function f gave 1 and 3), lengths 2 and 4, one truncated
-    row0 = summarize(2.0, torch.tensor([[1.0, 1.0], [3.0, 3.0]]), [2, 4], [True, False])
-    # member 1: one reward 0 and one completion without any reward (NaN), lengths 6 and 1
-    row1 = summarize(0.0, torch.tensor([[0.0, 0.0], [nan, nan]]), [6, 1], [False, False])
-    assert row0.numel() == summary_width(1) == 12
-    assert row0.tolist() == [2.0, 4.0, 2.0, 10.0, 4.0, 2.0, 10.0, 6.0, 2.0, 4.0, 2.0, 1.0]
-    metrics = population_metrics(torch.stack([row0, row1]), ["f"])
+    # member 0: completions with combined rewards 1 and 3 (function f gave 1 and 3), lengths 2 and 4, one truncated,
+    # token entropies summing to 3.0, success on prompt 0 only
+    row0 = summarize(2.0, torch.tensor([[1.0, 1.0], [3.0, 3.0]]), [2, 4], [True, False], 3.0, torch.tensor([1.0, 0]))
+    # member 1: one reward 0 and one completion without any reward (NaN), lengths 6 and 1, success on prompt 1
+    row1 = summarize(0.0, torch.tensor([[0.0, 0.0], [nan, nan]]), [6, 1], [False, False], 1.0, torch.tensor([0, 0.5]))
+    assert row0.numel() == summary_width(1, 2) == 15
+    assert row0.tolist() == [2.0, 4.0, 2.0, 10.0, 4.0, 2.0, 10.0, 6.0, 2.0, 4.0, 2.0, 1.0, 3.0, 1.0, 0.0]
+    metrics = population_metrics(torch.stack([row0, row1]), ["f"], entropy=True)
     # rewards 1, 3, 0 (the NaN excluded): mean 4/3, unbiased std sqrt(((1-4/3)^2 + (3-4/3)^2 + (4/3)^2) / 2)
     assert metrics["reward"] == pytest.approx(4 / 3)
     assert metrics["reward_std"] == pytest.approx(math.sqrt((1 / 9 + 25 / 9 + 16 / 9) / 2))
@@ -33,6 +41,11 @@ def test_summary_row_and_metrics_by_hand():
     assert metrics["completions/mean_length"] == pytest.approx(13 / 4)
     assert (metrics["completions/min_length"], metrics["completions/max_length"]) == (1.0, 6.0)
     assert metrics["completions/clipped_ratio"] == 0.25
+    assert metrics["completions/mean_token_entropy"] == pytest.approx(4.0 / 13)
+    assert "completions/mean_token_entropy" not in population_metrics(torch.stack([row0, row1]), ["f"])
+    # disjoint successes: the two members' distributions over prompts are (1, 0) and (0, 1): diversity log 2
+    assert population_diversity(torch.stack([row0, row1]), 2) == pytest.approx(math.log(2))
+    assert population_diversity(torch.stack([row0, row0]), 2) == pytest.approx(0.0)
 
 
 def test_one_process_reduce_is_the_identity_and_reports_its_own_failure():

@@ -159,6 +159,41 @@ class ESConfig(TrainingArguments):
         default=None, metadata={"help": "Rows of that table (all when None)."}
     )
 
+    # Evaluation and diagnostics
+    num_generations_eval: int | None = field(
+        default=None,
+        metadata={"help": "Completions sampled per eval prompt (the n of Pass@K); defaults to `num_generations`."},
+    )
+    eval_k: list[int] = field(
+        default_factory=lambda: [1],
+        metadata={"help": "K values of the Pass@K (and Maj@K) computed at each evaluation; each in 1..n."},
+    )
+    eval_task: str | None = field(
+        default=None,
+        metadata={
+            "help": "A built-in task (gsm8k, math500, countdown, commonsenseqa, small_sums) whose answer extractor "
+            "gives Maj@K at evaluation; without it only Pass@K is computed."
+        },
+    )
+    success_threshold: float = field(
+        default=1.0,
+        metadata={
+            "help": "A completion counts as correct (Pass@K, population diversity) when its combined reward is ≥ "
+            "this; the built-in tasks give ≥ 1 exactly for correct answers."
+        },
+    )
+    log_completion_entropy: bool = field(
+        default=False,
+        metadata={"help": "Log the mean token entropy of the population's completions at each step (nats)."},
+    )
+    log_population_diversity: bool = field(
+        default=False,
+        metadata={
+            "help": "Log es/population_diversity: the Jensen–Shannon divergence among the members' per-prompt "
+            "success distributions (0 = all succeed on the same prompts; log N = on disjoint ones)."
+        },
+    )
+
     # TrainingArguments defaults that differ for ES
     lr_scheduler_type: str = field(
         default="constant", metadata={"help": "Schedule of α; ES commonly keeps it constant."}
@@ -206,6 +241,19 @@ class ESConfig(TrainingArguments):
             refuse("weight_decay", "must be ≥ 0")
         if self.reward_weights is not None and not all(math.isfinite(w) for w in self.reward_weights):
             refuse("reward_weights", "every weight must be a finite number")
+        n_eval = self.num_generations_eval or self.num_generations
+        if self.num_generations_eval is not None and self.num_generations_eval < 1:
+            refuse("num_generations_eval", "each eval prompt needs at least one completion")
+        if not self.eval_k or not all(isinstance(k, int) and 1 <= k <= n_eval for k in self.eval_k):
+            refuse("eval_k", f"every K must be an integer in 1..{n_eval} (the completions per eval prompt)")
+        if self.eval_task is not None:
+            from .tasks import TASKS
+
+            if self.eval_task not in TASKS or TASKS[self.eval_task].extract_answer is None:
+                voting = sorted(name for name, task in TASKS.items() if task.extract_answer)
+                refuse("eval_task", f"choose a task with answers to vote on: {voting}")
+        if not math.isfinite(self.success_threshold):
+            refuse("success_threshold", "must be a finite number")
         if self.gradient_accumulation_steps != 1:
             refuse(
                 "gradient_accumulation_steps",

@@ -16,29 +16,42 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .metrics import js_diversity
+
 
 def local_slots(n_slots: int, process_index: int, num_processes: int) -> list[int]:
     """The slots process `process_index` of `num_processes` evaluates (round-robin; none when index ≥ n_slots)."""
     return list(range(process_index, n_slots, num_processes))
 
 
-def summary_width(n_functions: int) -> int:
-    """Row width: member reward R, (nansum, count, sum of squares) of the combined reward and of each reward
-    function, then the completion lengths' sum, min, max, the number of completions and of truncated ones."""
-    return 1 + 3 * (n_functions + 1) + 5
+def summary_width(n_functions: int, n_prompts: int) -> int:
+    """Row width: member reward R; (nansum, count, sum of squares) of the combined reward and of each reward
+    function; the completion lengths' sum, min, max, the number of completions and of truncated ones; the sum of
+    their token entropies (0 when not recorded); for each of the step's prompts, the share of its completions that
+    succeeded (combined reward ≥ `success_threshold`)."""
+    return 1 + 3 * (n_functions + 1) + 6 + n_prompts
 
 
-def summarize(member_reward: float, rewards: torch.Tensor, lengths: list[int], truncated: list[bool]) -> torch.Tensor:
-    """One slot's row. `rewards` is (completions, 1 + F): the combined reward, then each function's (NaN = none)."""
+def summarize(
+    member_reward: float,
+    rewards: torch.Tensor,
+    lengths: list[int],
+    truncated: list[bool],
+    entropy_sum: float,
+    success: torch.Tensor,
+) -> torch.Tensor:
+    """One slot's row. `rewards` is (completions, 1 + F): the combined reward, then each function's (NaN = none);
+    `success` is (prompts,), each prompt's share of successful completions."""
     rewards = rewards.double()
     valid = ~torch.isnan(rewards)
     zeroed = rewards.nan_to_num(0.0)
     moments = torch.stack([zeroed.sum(0), valid.sum(0).double(), zeroed.square().sum(0)], dim=1).flatten()
     lengths_t = torch.tensor(lengths, dtype=torch.float64)
     tail = torch.tensor(
-        [lengths_t.sum(), lengths_t.min(), lengths_t.max(), len(lengths), sum(truncated)], dtype=torch.float64
+        [lengths_t.sum(), lengths_t.min(), lengths_t.max(), len(lengths), sum(truncated), entropy_sum],
+        dtype=torch.float64,
     )
-    return torch.cat([torch.tensor([member_reward], dtype=torch.float64), moments, tail])
+    return torch.cat([torch.tensor([member_reward], dtype=torch.float64), moments, tail, success.double()])
 
 
 def all_reduce_summaries(
@@ -72,8 +85,9 @@ def _mean_std(total: float, count: float, squares: float) -> tuple[float, float]
     return mean, math.sqrt(max(squares - total * total / count, 0.0) / (count - 1))
 
 
-def population_metrics(summaries: torch.Tensor, function_names: list[str]) -> dict[str, float]:
-    """GRPOTrainer-named metrics (reward, reward_std, rewards/<f>/mean|std, completions/*) over the members' rows."""
+def population_metrics(summaries: torch.Tensor, function_names: list[str], entropy: bool = False) -> dict[str, float]:
+    """GRPOTrainer-named metrics (reward, reward_std, rewards/<f>/mean|std, completions/*) over the members' rows;
+    with `entropy`, also the mean token entropy of their completions (`completions/mean_token_entropy`, nats)."""
     metrics = {}
     for k, key in enumerate([None, *function_names]):
         total, count, squares = (float(summaries[:, 1 + 3 * k + j].sum()) for j in range(3))
@@ -81,10 +95,17 @@ def population_metrics(summaries: torch.Tensor, function_names: list[str]) -> di
         prefix = "reward" if key is None else f"rewards/{key}/"
         metrics[prefix + ("" if key is None else "mean")] = mean
         metrics[prefix + ("_std" if key is None else "std")] = std
-    tail = summaries[:, -5:]
-    n_completions = float(tail[:, 3].sum())
-    metrics["completions/mean_length"] = float(tail[:, 0].sum()) / n_completions
-    metrics["completions/min_length"] = float(tail[:, 1].min())
-    metrics["completions/max_length"] = float(tail[:, 2].max())
-    metrics["completions/clipped_ratio"] = float(tail[:, 4].sum()) / n_completions
+    start = 1 + 3 * (len(function_names) + 1)
+    length_sum, n_completions = float(summaries[:, start].sum()), float(summaries[:, start + 3].sum())
+    metrics["completions/mean_length"] = length_sum / n_completions
+    metrics["completions/min_length"] = float(summaries[:, start + 1].min())
+    metrics["completions/max_length"] = float(summaries[:, start + 2].max())
+    metrics["completions/clipped_ratio"] = float(summaries[:, start + 4].sum()) / n_completions
+    if entropy:
+        metrics["completions/mean_token_entropy"] = float(summaries[:, start + 5].sum()) / max(length_sum, 1.0)
     return metrics
+
+
+def population_diversity(summaries: torch.Tensor, n_prompts: int) -> float:
+    """Verifier-projected JS diversity (`trl_es.metrics.js_diversity`) of the members' per-prompt success."""
+    return js_diversity(summaries[:, summaries.shape[1] - n_prompts :])

@@ -18,7 +18,7 @@ import torch
 from accelerate.data_loader import BatchSamplerShard
 from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 from trl.models.utils import prepare_deepspeed, unwrap_model_for_generation
 from trl.trainer.base_trainer import _BaseTrainer
@@ -31,14 +31,23 @@ from trl.trainer.utils import (
 )
 
 from . import sparse
-from .checkpoints import load_starting_model
+from .checkpoints import eos_token_ids, load_starting_model, load_tokenizer
 from .config import ESConfig
+from .evaluation import score_problems
 from .es import NoiseTable, ParameterSnapshot, apply_update, member_seed, select_parameters, shape_fitness
 from .es.noise import _hash64
 from .es.update import update_coefficients
-from .population import all_reduce_summaries, local_slots, population_metrics, summarize, summary_width
+from .population import (
+    all_reduce_summaries,
+    local_slots,
+    population_diversity,
+    population_metrics,
+    summarize,
+    summary_width,
+)
 from .rewards import RewardFunctions
 from .rollout import TransformersRollout
+from .tasks import get_task
 
 logger = logging.get_logger(__name__)
 
@@ -78,17 +87,19 @@ class ESTrainer(_BaseTrainer):
             args = ESConfig(f"{str(name).rstrip('/').split('/')[-1]}-ES")
         if not isinstance(args, ESConfig):
             raise TypeError(f"`args` must be an ESConfig, got {type(args).__name__}")
-        if eval_dataset is not None or args.eval_strategy != "no":
-            raise ValueError(
-                "ESTrainer does not evaluate during training yet (no eval_dataset / eval_strategy): evaluate the "
-                "saved model separately."
-            )
         self._check_dataset(train_dataset)
+        if eval_dataset is not None:
+            self._check_dataset(eval_dataset, "eval_dataset")
+            missing = sorted(set(getattr(train_dataset, "column_names", None) or [])
+                             - set(getattr(eval_dataset, "column_names", None) or train_dataset.column_names))
+            if missing:
+                raise ValueError(
+                    f"`eval_dataset` lacks column(s) {missing} that `train_dataset` has: the reward functions read "
+                    "the same columns in both"
+                )
 
-        tokenizer_path = None
+        model_path = model if isinstance(model, str) else None
         if isinstance(model, str):
-            if os.path.isfile(os.path.join(model, "tokenizer_config.json")):
-                tokenizer_path = model  # a checkpoint or adapter carries its own tokenizer and chat template
             model_init_kwargs = dict(args.model_init_kwargs or {})
             model = load_starting_model(model, args.es_adapter_only, **model_init_kwargs)
         elif args.model_init_kwargs is not None:
@@ -104,9 +115,7 @@ class ESTrainer(_BaseTrainer):
             )
 
         if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(
-                tokenizer_path or get_config_model_id(model.config), padding_side="left", truncation_side="left"
-            )
+            processing_class = load_tokenizer(model_path, model)
         if not isinstance(processing_class, PreTrainedTokenizerBase):
             raise TypeError("`processing_class` must be a tokenizer (PreTrainedTokenizerBase); ESTrainer is text-only")
         if len(processing_class) > model.get_input_embeddings().num_embeddings:
@@ -118,10 +127,7 @@ class ESTrainer(_BaseTrainer):
             processing_class.pad_token = processing_class.eos_token
         model.config.get_text_config().pad_token_id = processing_class.pad_token_id
         model.generation_config.pad_token_id = processing_class.pad_token_id
-        eos_ids = model.generation_config.eos_token_id
-        eos_ids = [] if eos_ids is None else [eos_ids] if isinstance(eos_ids, int) else list(eos_ids)
-        if processing_class.eos_token_id not in eos_ids:
-            eos_ids = [processing_class.eos_token_id, *eos_ids]
+        eos_ids = eos_token_ids(model, processing_class)
         disable_dropout_in_model(model)
 
         self.reward_functions = RewardFunctions(
@@ -137,6 +143,7 @@ class ESTrainer(_BaseTrainer):
             args=args,
             data_collator=identity,
             train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
             processing_class=processing_class,
             callbacks=callbacks,
         )
@@ -183,15 +190,15 @@ class ESTrainer(_BaseTrainer):
         self._completions_step = None
 
     @staticmethod
-    def _check_dataset(dataset):
+    def _check_dataset(dataset, name: str = "train_dataset"):
         if dataset is None:
-            raise ValueError("ESTrainer needs a `train_dataset` with a 'prompt' column")
+            raise ValueError(f"ESTrainer needs a `{name}` with a 'prompt' column")
         columns = getattr(dataset, "column_names", None)
         if columns is not None and "prompt" not in columns:
-            raise ValueError(f"`train_dataset` has no 'prompt' column (columns: {columns})")
+            raise ValueError(f"`{name}` has no 'prompt' column (columns: {columns})")
         if isinstance(dataset, Dataset):
             if len(dataset) == 0:
-                raise ValueError("`train_dataset` is empty")
+                raise ValueError(f"`{name}` is empty")
             prompt = dataset[0]["prompt"]
             is_messages = isinstance(prompt, list) and all(
                 isinstance(m, dict) and {"role", "content"} <= m.keys() for m in prompt
@@ -337,12 +344,14 @@ class ESTrainer(_BaseTrainer):
                 p.detach().view(-1)[:: self._stride].to("cpu", torch.float32, copy=True) for p in self.es_params.values()
             ]
 
-    def _evaluate(self, rows, prompt_ids, sampling_seed, extras=None):
+    def _generate_and_score(self, rows, prompt_ids, sampling_seed, extras=None):
         """Generate with the current weights and score: (member reward R = mean completion reward, per-function
         rewards of each completion, the rollout). Columns that reward functions log with `log_extra` go to `extras`."""
         timer = time.perf_counter()
         g = self.args.num_generations
-        rollout = self.rollout.generate([row["prompt"] for row in rows], prompt_ids, g, sampling_seed)
+        rollout = self.rollout.generate(
+            [row["prompt"] for row in rows], prompt_ids, g, sampling_seed, self.args.log_completion_entropy
+        )
         self._metrics["es/time/generate"].append(time.perf_counter() - timer)
         timer = time.perf_counter()
         extras = defaultdict(list) if extras is None else extras
@@ -377,9 +386,15 @@ class ESTrainer(_BaseTrainer):
                 self._snapshot.perturb(self._noise_table, seed, sign * args.sigma)
                 noise_time += time.perf_counter() - timer
             extras = defaultdict(list)
-            reward, per_func, rollout = self._evaluate(rows, prompt_ids, self._sampling_seed(step, slot), extras)
-            rewards = torch.cat([self.reward_functions.combine(per_func)[:, None], per_func], dim=1)
-            summaries[s] = summarize(reward, rewards, [len(ids) for ids in rollout.completion_ids], rollout.truncated)
+            sampling_seed = self._sampling_seed(step, slot)
+            reward, per_func, rollout = self._generate_and_score(rows, prompt_ids, sampling_seed, extras)
+            combined = self.reward_functions.combine(per_func)
+            success = (combined >= args.success_threshold).double().view(len(rows), -1).mean(1)  # NaN: no success
+            entropy_sum = sum(rollout.entropy_sums) if rollout.entropy_sums else 0.0
+            summaries[s] = summarize(
+                reward, torch.cat([combined[:, None], per_func], dim=1), [len(ids) for ids in rollout.completion_ids],
+                rollout.truncated, entropy_sum, success,
+            )
             if slot != "center" and self._completions_step != step:  # the table shows this process's first member
                 names = self.reward_functions.names
                 table_rewards = {n: per_func[:, k].tolist() for k, n in enumerate(names)}
@@ -399,7 +414,8 @@ class ESTrainer(_BaseTrainer):
         prompt_ids = self.rollout.tokenize([row["prompt"] for row in rows])
         directions = self._member_directions(step)
         slots = (["center"] if args.es_baseline == "center" else []) + list(range(len(directions)))
-        summaries = torch.zeros(len(slots), summary_width(len(self.reward_functions.names)), dtype=torch.float64)
+        width = summary_width(len(self.reward_functions.names), len(rows))
+        summaries = torch.zeros(len(slots), width, dtype=torch.float64)
         timer = time.perf_counter()
         snapshot.capture()
         noise_time = time.perf_counter() - timer  # the copy of θ counts with the perturbations
@@ -456,8 +472,13 @@ class ESTrainer(_BaseTrainer):
         metrics = self._metrics
         if center is not None:
             metrics["es/center_reward"].append(center)
-        for name, value in population_metrics(summaries[first_member:], self.reward_functions.names).items():
+        member_rows = summaries[first_member:]
+        for name, value in population_metrics(
+            member_rows, self.reward_functions.names, args.log_completion_entropy
+        ).items():
             metrics[name].append(value)
+        if args.log_population_diversity:
+            metrics["es/population_diversity"].append(population_diversity(member_rows, len(rows)))
         valid = member_rewards[~torch.isnan(member_rewards)]
         if valid.numel():
             metrics["es/population_reward_min"].append(valid.min().item())
@@ -469,6 +490,54 @@ class ESTrainer(_BaseTrainer):
         metrics["es/time/noise"].append(noise_time)
         metrics["es/time/update"].append(update_time)
         metrics["es/time/communication"].append(communication_time)
+
+    # ---- Evaluation ---------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Pass@K for K in `eval_k` (and Maj@K with `eval_task`) of the current θ on the eval prompts, with
+        `num_generations_eval` completions each; a completion is correct when its combined reward is ≥
+        `success_threshold`. Also the mean reward and token entropy. Each process takes every K-th prompt; the
+        sums are all-reduced. Runs at `eval_steps` with `eval_strategy="steps"`, as in any Trainer."""
+        args, accelerator = self.args, self.accelerator
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if dataset is None:
+            raise ValueError("ESTrainer.evaluate needs an `eval_dataset`")
+        start_time = time.perf_counter()
+        n = args.num_generations_eval or args.num_generations
+        extract = get_task(args.eval_task).extract_answer if args.eval_task else None
+        keys = [f"pass@{k}" for k in args.eval_k] + ([f"maj@{k}" for k in args.eval_k] if extract else [])
+        rows = list(dataset)[accelerator.process_index :: accelerator.num_processes]
+        totals = torch.zeros(len(keys) + 5, dtype=torch.float64)  # keys, problems, Σreward, rewards, tokens, Σentropy
+        with self._full_parameters():
+            for start in range(0, len(rows), args.per_device_eval_batch_size):
+                chunk = rows[start : start + args.per_device_eval_batch_size]
+                prompts = [row["prompt"] for row in chunk]
+                seed = _hash64("es-eval", args.seed, self.state.global_step, accelerator.process_index, start)
+                rollout = self.rollout.generate(prompts, self.rollout.tokenize(prompts), n, seed, record_entropy=True)
+                per_func = self.reward_functions(
+                    [row for row in chunk for _ in range(n)], rollout.prompts, rollout.completions,
+                    rollout.completion_ids, trainer_state=self.state, log_metric=lambda *_: None,
+                    log_extra=lambda *_: None,
+                )
+                combined = self.reward_functions.combine(per_func)
+                texts = [c if isinstance(c, str) else c[-1]["content"] for c in rollout.completions]
+                answers = [extract(text) for text in texts] if extract else None
+                sums = score_problems(chunk, (combined >= args.success_threshold).tolist(), answers, n, args.eval_k)
+                totals += torch.tensor(
+                    [*(sums[key] for key in keys), len(chunk), combined.nansum(), (~combined.isnan()).sum(),
+                     sum(map(len, rollout.completion_ids)), sum(rollout.entropy_sums)],
+                    dtype=torch.float64,
+                )
+        totals = accelerator.reduce(totals.to(accelerator.device), "sum").cpu().tolist()
+        problems, reward_sum, rewards, tokens, entropy_sum = totals[len(keys) :]
+        metrics = {f"{metric_key_prefix}_{key}": total / problems for key, total in zip(keys, totals, strict=False)}
+        metrics[f"{metric_key_prefix}_reward"] = reward_sum / rewards if rewards else float("nan")
+        metrics[f"{metric_key_prefix}_mean_token_entropy"] = entropy_sum / max(tokens, 1)
+        metrics[f"{metric_key_prefix}_runtime"] = round(time.perf_counter() - start_time, 4)
+        super().log(metrics)  # not self.log, which would fold pending training metrics into this record
+        self.control = self.callback_handler.on_evaluate(args, self.state, self.control, metrics)
+        return metrics
 
     def _distance_from_start(self) -> float:
         """‖θ − θ₀‖/‖θ₀‖ over every k-th element of θ (k = `self._stride`)."""
