@@ -65,11 +65,20 @@ def main():
         report_to="none",
         disable_tqdm=True,
         use_cpu=True,
+        # evaluation at the last step, one prompt per generate call, and the optional step logs
+        eval_strategy="steps",
+        eval_steps=3,
+        per_device_eval_batch_size=1,
+        success_threshold=0.2,
+        log_population_diversity=True,
+        log_completion_entropy=True,
     )
     resume = overrides.pop("resume_from_checkpoint", None)
     args = ESConfig(**{**values, **overrides})
     watcher = StepStartWeights()
-    trainer = ESTrainer(model_dir, upper_vocab_share, args=args, train_dataset=dataset, callbacks=[watcher])
+    trainer = ESTrainer(
+        model_dir, upper_vocab_share, args=args, train_dataset=dataset, eval_dataset=dataset, callbacks=[watcher]
+    )
     rank = trainer.accelerator.process_index
     result = {"num_processes": trainer.accelerator.num_processes}
     try:

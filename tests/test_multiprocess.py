@@ -6,6 +6,7 @@ The launch line is the one that really starts two CPU processes here (MACHINE_NO
 """
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -69,7 +70,18 @@ def assert_equal_weights(actual: dict, expected: dict):
 
 REWARD_METRICS = ("reward", "reward_std", "rewards/upper_vocab_share/mean", "es/center_reward",
                   "es/population_reward_min", "es/population_reward_max", "es/population_reward_std",
-                  "completions/mean_length", "completions/clipped_ratio")
+                  "completions/mean_length", "completions/clipped_ratio", "es/population_diversity")
+EVAL_METRICS = ("eval_pass@1", "eval_reward")
+
+
+def same(a: dict, b: dict, keys) -> bool:
+    """Equal values under `keys`, NaN equal to NaN."""
+    return all(a[k] == b[k] or (math.isnan(a[k]) and math.isnan(b[k])) for k in keys)
+
+
+def evaluation(run: dict) -> dict:
+    (entry,) = [entry for entry in run["log_history"] if "eval_pass@1" in entry]  # eval_steps=3: the last step
+    return entry
 
 
 @pytest.fixture(scope="module")
@@ -102,9 +114,15 @@ def test_two_processes_give_the_one_process_weights_and_logged_rewards(tmp_path,
     assert len(steps) == len(reference_steps) == 3
     assert len({entry["reward"] for entry in steps}) > 1  # the rewards move, so equality means something
     for entry, ref in zip(steps, reference_steps):
-        assert {k: entry[k] for k in REWARD_METRICS} == {k: ref[k] for k in REWARD_METRICS}
-        # ‖Δθ‖ and distances are float reductions: equal up to the thread count's summation order.
+        assert same(entry, ref, REWARD_METRICS)
+        # ‖Δθ‖, distances and entropies are float reductions: equal up to the thread count's summation order.
         assert entry["es/update_norm"] == pytest.approx(ref["es/update_norm"], rel=1e-5)
+        assert entry["completions/mean_token_entropy"] == pytest.approx(ref["completions/mean_token_entropy"], 1e-5)
+    # evaluation: the processes split the eval prompts and all-reduce the sums
+    assert same(evaluation(runs[0]), evaluation(reference), EVAL_METRICS)
+    assert evaluation(runs[0])["eval_mean_token_entropy"] == pytest.approx(
+        evaluation(reference)["eval_mean_token_entropy"], rel=1e-5
+    )
     # the model is saved once, by the main process, and equals the weights of every rank
     saved = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert_equal_weights({n: p for n, p in saved.named_parameters()}, expected)
@@ -190,6 +208,7 @@ def test_deepspeed_zero_two_processes_give_the_one_process_weights(tmp_path, mod
         assert run["engine_optimizer"] == ("DeepSpeedZeRoOffload" if stage == 3 else "NoneType")
     steps = [entry["reward"] for entry in runs[0]["log_history"] if "reward" in entry]
     assert steps == [entry["reward"] for entry in results(one_process)[0]["log_history"] if "reward" in entry]
+    assert same(evaluation(runs[0]), evaluation(results(one_process)[0]), EVAL_METRICS)  # θ gathered under ZeRO-3
     expected = rank_weights(one_process, 0)
     for rank in (0, 1):
         assert_equal_weights(rank_weights(tmp_path, rank), expected)

@@ -17,6 +17,7 @@ import argparse
 import inspect
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -64,6 +65,10 @@ def load_problems(task: Task, split: str | None, source: str | None, limit: int 
     return dataset
 
 
+def _report(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def _model_name(path: str, taken: set[str]) -> str:
     name = os.path.basename(os.path.normpath(path)) or path
     while name in taken:
@@ -93,7 +98,7 @@ def evaluate_model(
     records_path: str,
     settings: dict,
     batch_size: int = 8,
-    progress: Callable[[str], None] = print,
+    progress: Callable[[str], None] = _report,
 ) -> dict:
     """Sample n completions per problem of `dataset` from the model at `model_path`, appending one JSON line per
     batch to `records_path` (resuming from the batches already there), and return the model's scores."""
@@ -188,7 +193,7 @@ def evaluate(
     top_p: float = 1.0,
     batch_size: int = 8,
     seed: int = 0,
-    progress: Callable[[str], None] = print,
+    progress: Callable[[str], None] = _report,
 ) -> dict:
     """Evaluate every model on `task` (see the module docstring); returns and writes `results.json`:
     {"task", "settings", "models": {name: {"path", "pass@K"..., "maj@K"..., "mean_token_entropy", "wall_s"}}}.

@@ -507,13 +507,15 @@ class ESTrainer(_BaseTrainer):
         n = args.num_generations_eval or args.num_generations
         extract = get_task(args.eval_task).extract_answer if args.eval_task else None
         keys = [f"pass@{k}" for k in args.eval_k] + ([f"maj@{k}" for k in args.eval_k] if extract else [])
-        rows = list(dataset)[accelerator.process_index :: accelerator.num_processes]
+        rank, world = accelerator.process_index, accelerator.num_processes
+        rows = list(dataset)[rank::world]
         totals = torch.zeros(len(keys) + 5, dtype=torch.float64)  # keys, problems, Σreward, rewards, tokens, Σentropy
         with self._full_parameters():
             for start in range(0, len(rows), args.per_device_eval_batch_size):
                 chunk = rows[start : start + args.per_device_eval_batch_size]
                 prompts = [row["prompt"] for row in chunk]
-                seed = _hash64("es-eval", args.seed, self.state.global_step, accelerator.process_index, start)
+                # seeded by the chunk's first problem: with one prompt per chunk, K processes sample as one does
+                seed = _hash64("es-eval", args.seed, self.state.global_step, rank + start * world)
                 rollout = self.rollout.generate(prompts, self.rollout.tokenize(prompts), n, seed, record_entropy=True)
                 per_func = self.reward_functions(
                     [row for row in chunk for _ in range(n)], rollout.prompts, rollout.completions,
