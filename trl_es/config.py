@@ -11,8 +11,10 @@ from transformers import TrainingArguments
 
 from .es.fitness import SHAPINGS
 from .es.noise import CHUNK
+from .es.subspaces import PARTITIONS
 
 BASELINES = ("none", "center")
+SEARCH_SPACES = ("full", "copes")
 
 
 @dataclass
@@ -107,6 +109,24 @@ class ESConfig(TrainingArguments):
             "help": "When set, `save_model` also writes `sparse_delta.safetensors`: the entries whose update from the "
             "starting weights (reloaded from the model path) exceeds this magnitude, which `trl-es apply-delta` "
             "turns back into the thresholded model, and the update's statistics in the model card (trl_es.sparse)."
+        },
+    )
+
+    # Search space
+    es_search_space: str = field(
+        default="full",
+        metadata={
+            "help": "What a member perturbs. 'full': every selected parameter (Gaussian ε). 'copes': cooperative "
+            "subspaces, one of `copes_groups` parameter groups per member with σ·√K, one joint z-score, each group "
+            "updated from its own members."
+        },
+    )
+    copes_groups: int = field(default=4, metadata={"help": "CoPES: the number K of parameter groups."})
+    copes_partition: str = field(
+        default="layer",
+        metadata={
+            "help": "CoPES: how parameters are grouped: 'layer' (contiguous blocks of layers), 'module' (by module "
+            "type: q_proj, up_proj, norms, …) or 'random' (seeded)."
         },
     )
 
@@ -227,6 +247,14 @@ class ESConfig(TrainingArguments):
             refuse("es_baseline", f"choose one of {BASELINES}")
         if self.noise_table_size < CHUNK:
             refuse("noise_table_size", f"it must hold at least one noise window ({CHUNK} values)")
+        if self.es_search_space not in SEARCH_SPACES:
+            refuse("es_search_space", f"choose one of {SEARCH_SPACES}")
+        if self.es_search_space == "copes":
+            if self.copes_partition not in PARTITIONS:
+                refuse("copes_partition", f"choose one of {PARTITIONS}")
+            directions = self.population_size // 2 if self.antithetic else self.population_size
+            if not 1 <= self.copes_groups <= directions:
+                refuse("copes_groups", f"every group needs a member: use 1..{directions} groups for this population")
         if self.sparse_delta_tau is not None and not self.sparse_delta_tau >= 0:
             refuse("sparse_delta_tau", "the magnitude threshold must be ≥ 0")
         if self.num_generations < 1:

@@ -34,7 +34,16 @@ from . import sparse
 from .checkpoints import eos_token_ids, load_starting_model, load_tokenizer
 from .config import ESConfig
 from .evaluation import score_problems
-from .es import NoiseTable, ParameterSnapshot, apply_update, member_seed, select_parameters, shape_fitness
+from .es import (
+    NoiseTable,
+    ParameterSnapshot,
+    apply_update,
+    member_groups,
+    member_seed,
+    partition_parameters,
+    select_parameters,
+    shape_fitness,
+)
 from .es.noise import _hash64
 from .es.update import update_coefficients
 from .population import (
@@ -81,6 +90,7 @@ class ESTrainer(_BaseTrainer):
         processing_class: PreTrainedTokenizerBase | None = None,
         reward_processing_classes=None,
         callbacks=None,
+        peft_config=None,
     ):
         if args is None:
             name = model if isinstance(model, str) else get_config_model_id(model.config)
@@ -108,6 +118,15 @@ class ESTrainer(_BaseTrainer):
             raise TypeError(
                 f"`model` must be a model id, a path, a PreTrainedModel or a PeftModel, got {type(model).__name__}"
             )
+        if peft_config is not None:  # as in GRPOTrainer: a new adapter; ES then perturbs its weights only
+            if _is_peft_model(model):
+                raise ValueError("`peft_config` adds a new adapter, but the model already is a PeftModel (an adapter "
+                                 "loaded with es_adapter_only): pass one or the other")
+            try:
+                from peft import get_peft_model
+            except ImportError as error:
+                raise ImportError("`peft_config` needs peft: pip install 'trl-es[peft]'") from error
+            model = get_peft_model(model, peft_config)
         if _is_peft_model(model) and args.sparse_delta_tau is not None:
             raise ValueError(
                 "ESConfig.sparse_delta_tau needs a full model: a PEFT adapter is already a compact update (train "
@@ -182,6 +201,11 @@ class ESTrainer(_BaseTrainer):
             args.chat_template_kwargs,
         )
         self.es_params = select_parameters(self.model.named_parameters(), args.es_parameter_patterns)
+        self._groups = self._member_groups = None
+        if args.es_search_space == "copes":
+            self._groups = partition_parameters(list(self.es_params), args.copes_groups, args.copes_partition,
+                                                args.seed)
+            self._member_groups = member_groups(args.population_size, args.copes_groups, args.antithetic)
         self._snapshot = None  # allocated at the first step, freed after training
         self._noise_table = None
         self._start_sample = None
@@ -380,10 +404,13 @@ class ESTrainer(_BaseTrainer):
         args, accelerator, noise_time = self.args, self.accelerator, 0.0
         for s in local_slots(len(slots), accelerator.process_index, accelerator.num_processes):
             slot = slots[s]  # the centre, if any, is slot 0 and is evaluated before any perturbation
+            perturbed, scale = None, args.sigma  # full ES: every parameter
+            if self._groups is not None and slot != "center":  # CoPES: the member's group, σ·√K
+                perturbed, scale = self._groups[self._member_groups[slot]], args.sigma * len(self._groups) ** 0.5
             if slot != "center":
                 timer = time.perf_counter()
                 seed, sign = directions[slot]
-                self._snapshot.perturb(self._noise_table, seed, sign * args.sigma)
+                self._snapshot.perturb(self._noise_table, seed, sign * scale, perturbed)
                 noise_time += time.perf_counter() - timer
             extras = defaultdict(list)
             sampling_seed = self._sampling_seed(step, slot)
@@ -395,6 +422,8 @@ class ESTrainer(_BaseTrainer):
                 reward, torch.cat([combined[:, None], per_func], dim=1), [len(ids) for ids in rollout.completion_ids],
                 rollout.truncated, entropy_sum, success,
             )
+            if perturbed is not None:  # the next member may perturb another group: this one goes back to θ
+                self._snapshot.restore(perturbed)
             if slot != "center" and self._completions_step != step:  # the table shows this process's first member
                 names = self.reward_functions.names
                 table_rewards = {n: per_func[:, k].tolist() for k, n in enumerate(names)}
@@ -410,7 +439,7 @@ class ESTrainer(_BaseTrainer):
         """
         args, accelerator = self.args, self.accelerator
         self._prepare_es_state()
-        snapshot, table = self._snapshot, self._noise_table
+        snapshot = self._snapshot
         prompt_ids = self.rollout.tokenize([row["prompt"] for row in rows])
         directions = self._member_directions(step)
         slots = (["center"] if args.es_baseline == "center" else []) + list(range(len(directions)))
@@ -461,9 +490,7 @@ class ESTrainer(_BaseTrainer):
                 update_norm = 0.0
                 self._metrics["es/skipped_update"].append(1.0)
             else:
-                n_valid = int((~torch.isnan(member_rewards)).sum())
-                coefficients = update_coefficients(fitness, directions, learning_rate, n_valid)
-                update_norm = apply_update(snapshot, table, coefficients, decay=learning_rate * args.weight_decay)
+                update_norm = self._apply_update(fitness, member_rewards, directions, learning_rate)
                 self._metrics["es/skipped_update"].append(0.0)
             update_time = time.perf_counter() - timer
         except BaseException:
@@ -490,6 +517,22 @@ class ESTrainer(_BaseTrainer):
         metrics["es/time/noise"].append(noise_time)
         metrics["es/time/update"].append(update_time)
         metrics["es/time/communication"].append(communication_time)
+
+    def _apply_update(self, fitness, member_rewards, directions, learning_rate) -> float:
+        """θ ← θ + α·(1/N)·Σ z_i ε_i over the members with a reward; under CoPES per group g, over its members
+        (θ_g ← θ_g + α·(1/N_g)·Σ_{i∈g} z_i ε_i,g). Returns ‖Δθ‖."""
+        decay = learning_rate * self.args.weight_decay
+        valid = (~torch.isnan(member_rewards)).tolist()
+        if self._groups is None:
+            coefficients = update_coefficients(fitness, directions, learning_rate, sum(valid))
+            return apply_update(self._snapshot, self._noise_table, coefficients, decay=decay)
+        squared = 0.0
+        for g, names in enumerate(self._groups):
+            members = [i for i, group in enumerate(self._member_groups) if group == g]
+            n_valid = max(sum(valid[i] for i in members), 1)
+            coefficients = update_coefficients(fitness[members], [directions[i] for i in members], learning_rate, n_valid)
+            squared += apply_update(self._snapshot, self._noise_table, coefficients, decay=decay, names=names) ** 2
+        return squared**0.5
 
     # ---- Evaluation ---------------------------------------------------------------------------------------------
 

@@ -51,15 +51,17 @@ class ParameterSnapshot:
             self.copies[name].copy_(p.detach())
 
     @torch.no_grad()
-    def restore(self) -> None:
-        """Put θ back into the model, bitwise."""
-        for name, p in self.params.items():
-            p.copy_(self.copies[name])
+    def restore(self, names: Iterable[str] | None = None) -> None:
+        """Put θ back into the model (the parameters `names`, default all), bitwise."""
+        for name in self.params if names is None else names:
+            self.params[name].copy_(self.copies[name])
 
     @torch.no_grad()
-    def perturb(self, table: NoiseTable, seed: int, scale: float) -> None:
-        """Set the model's parameters to θ + scale·ε(seed), computed from the snapshot (never accumulated)."""
-        for name, p in self.params.items():
+    def perturb(self, table: NoiseTable, seed: int, scale: float, names: Iterable[str] | None = None) -> None:
+        """Set the model's parameters (those in `names`, default all) to θ + scale·ε(seed), computed from the
+        snapshot (never accumulated)."""
+        for name in self.params if names is None else names:
+            p = self.params[name]
             flat, base = p.data.view(-1), self.copies[name].view(-1)
             for a, b, window in member_noise(table, seed, name, flat.numel()):
                 if base.device == flat.device:

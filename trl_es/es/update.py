@@ -28,8 +28,10 @@ def apply_update(
     table: NoiseTable,
     coefficients: dict[int, float],
     decay: float = 0.0,
+    names: list[str] | None = None,
 ) -> float:
-    """Write θ + Σ_s c_s ε(s) − decay·θ into the model's parameters, with θ read from `snapshot`.
+    """Write θ + Σ_s c_s ε(s) − decay·θ into the model's parameters (those in `names`, default all), with θ read
+    from `snapshot`.
 
     The sum is accumulated in float32 one noise window at a time and cast to the parameter dtype once.
     The snapshot is left untouched, so an interrupted update can still be undone with `snapshot.restore()`.
@@ -38,7 +40,8 @@ def apply_update(
     seeds, coeffs = list(coefficients), list(coefficients.values())
     squared_norm = 0.0
     buffers: dict[torch.device, torch.Tensor] = {}
-    for name, p in snapshot.params.items():
+    for name in snapshot.params if names is None else names:
+        p = snapshot.params[name]
         flat, base = p.data.view(-1), snapshot.copies[name].view(-1)
         windows = [list(member_noise(table, seed, name, flat.numel())) for seed in seeds]
         if flat.device not in buffers:

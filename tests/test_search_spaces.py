@@ -1,0 +1,101 @@
+"""Search-space strategies: parameter subsets (name patterns, a new LoRA adapter via peft_config) and CoPES."""
+
+import pytest
+import torch
+from conftest import es_config as config
+
+from trl_es import ESTrainer
+from trl_es.es import NoiseTable, ParameterSnapshot, member_groups, partition_parameters
+
+NAMES = [
+    "model.embed_tokens.weight",
+    *(f"model.layers.{i}.{m}.weight" for i in range(4) for m in ("self_attn.q_proj", "mlp.up_proj", "input_layernorm")),
+    "model.norm.weight",
+]
+
+
+def upper_vocab_share(completion_ids, **kwargs):
+    return [sum(t >= 24576 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def test_partitions():
+    layer = partition_parameters(NAMES, 2, "layer")
+    assert all("layers.0." in n or "layers.1." in n for n in layer[0] if "layers" in n)
+    assert all("layers.2." in n or "layers.3." in n for n in layer[1] if "layers" in n)
+    assert layer[0][0] == "model.embed_tokens.weight" and "model.norm.weight" in layer[1]  # others round-robin
+    module = partition_parameters(NAMES, 3, "module")
+    # types sorted (embed_tokens, input_layernorm, norm, q_proj, up_proj) and dealt round-robin over 3 groups
+    assert [{n.split(".")[-2] for n in g} for g in module] == [
+        {"embed_tokens", "q_proj"}, {"input_layernorm", "up_proj"}, {"norm"}]
+    random = partition_parameters(NAMES, 3, "random", seed=1)
+    assert random == partition_parameters(NAMES, 3, "random", seed=1) != partition_parameters(NAMES, 3, "random", 2)
+    for groups in (layer, module, random):
+        assert sorted(n for g in groups for n in g) == sorted(NAMES)  # a partition: every name once
+    with pytest.raises(ValueError, match="leaves 2 empty"):
+        partition_parameters(NAMES, 6, "layer")  # 4 layers + 2 others: fine, but 6 blocks of 4 layers leave gaps
+    assert member_groups(6, 3, antithetic=False) == [0, 1, 2, 0, 1, 2]
+    assert member_groups(6, 3, antithetic=True) == [0, 0, 1, 1, 2, 2]  # ±ε of a pair share their group
+
+
+def test_group_perturbation_and_restore_touch_only_the_group():
+    params = {n: torch.nn.Parameter(torch.randn(3, 4)) for n in ("a", "b", "c")}
+    before = {n: p.detach().clone() for n, p in params.items()}
+    snapshot = ParameterSnapshot(params)
+    snapshot.capture()
+    snapshot.perturb(NoiseTable(0, 1 << 20), seed=5, scale=0.1, names=["b"])
+    assert torch.equal(params["a"], before["a"]) and torch.equal(params["c"], before["c"])
+    assert not torch.equal(params["b"], before["b"])
+    snapshot.restore(["b"])
+    assert all(torch.equal(params[n], before[n]) for n in params)
+
+
+def test_copes_with_one_group_is_full_es_bitwise(tmp_path, tiny_model_dir, prompt_dataset):
+    runs = {}
+    for space in ("full", "copes"):
+        args = config(tmp_path / space, es_search_space=space, copes_groups=1, max_steps=2)
+        trainer = ESTrainer(tiny_model_dir, upper_vocab_share, args=args, train_dataset=prompt_dataset)
+        trainer.train()
+        runs[space] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    assert all(torch.equal(runs["full"][n], runs["copes"][n]) for n in runs["full"])
+
+
+def test_copes_learns(tmp_path, tiny_model_dir, prompt_dataset):
+    args = config(tmp_path, es_search_space="copes", copes_groups=2, copes_partition="layer", population_size=16,
+                  antithetic=True, sigma=0.01, learning_rate=0.01, per_device_train_batch_size=8, num_generations=1,
+                  generation_kwargs={"do_sample": False}, max_steps=10, seed=0)
+    trainer = ESTrainer(tiny_model_dir, upper_vocab_share, args=args, train_dataset=prompt_dataset)
+    trainer.train()
+    rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
+    assert rewards[0] < 0.3 and max(rewards[-3:]) > rewards[0] + 0.3, rewards
+
+
+def test_bad_search_space_settings(tmp_path):
+    with pytest.raises(ValueError, match="es_search_space='eggs' is invalid"):
+        config(tmp_path, es_search_space="eggs")
+    with pytest.raises(ValueError, match="copes_groups=5 is invalid: every group needs a member"):
+        config(tmp_path, es_search_space="copes", copes_groups=5, population_size=4)
+    with pytest.raises(ValueError, match="copes_partition='heads' is invalid"):
+        config(tmp_path, es_search_space="copes", copes_partition="heads")
+
+
+def test_peft_config_trains_a_new_lora_adapter_only(tmp_path, tiny_model_dir, prompt_dataset):
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoModelForCausalLM
+
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    args = config(tmp_path, population_size=8, sigma=1.0, learning_rate=0.5)  # LoRA's B starts at 0: large σ
+    trainer = ESTrainer(tiny_model_dir, upper_vocab_share, args=args, train_dataset=prompt_dataset, peft_config=lora)
+    assert isinstance(trainer.model, PeftModel)
+    assert trainer.es_params and all("lora_" in n for n in trainer.es_params)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    trainer.save_model()
+    moved = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all("lora_" in n for n in moved)
+    saved = tmp_path / "out"
+    assert (saved / "adapter_config.json").is_file() and (saved / "adapter_model.safetensors").is_file()
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), saved)
+    current = dict(trainer.model.named_parameters())
+    assert all(torch.equal(p, current[n]) for n, p in reloaded.named_parameters() if "lora_" in n)
+    with pytest.raises(ValueError, match="already is a PeftModel"):
+        ESTrainer(trainer.model, upper_vocab_share, args=args, train_dataset=prompt_dataset, peft_config=lora)
