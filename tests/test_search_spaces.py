@@ -99,3 +99,32 @@ def test_peft_config_trains_a_new_lora_adapter_only(tmp_path, tiny_model_dir, pr
     assert all(torch.equal(p, current[n]) for n, p in reloaded.named_parameters() if "lora_" in n)
     with pytest.raises(ValueError, match="already is a PeftModel"):
         ESTrainer(trainer.model, upper_vocab_share, args=args, train_dataset=prompt_dataset, peft_config=lora)
+
+
+def test_lowrank_batched_population_learns_and_moves_only_linear_weights_by_low_rank(
+    tmp_path, tiny_model_dir, prompt_dataset
+):
+    from transformers import AutoModelForCausalLM
+
+    args = config(tmp_path / "one", es_search_space="lowrank", population_size=4, max_steps=1, sigma=0.05)
+    trainer = ESTrainer(tiny_model_dir, upper_vocab_share, args=args, train_dataset=prompt_dataset)
+    trainer.train()
+    start = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
+    targets = set(trainer._lowrank_targets)
+    assert targets and all("proj" in name for name in targets)  # attention and MLP matrices, not the tied head
+    for name, p in trainer.model.named_parameters():
+        delta = (p - start[name]).detach()
+        if name in targets:  # 4 members of rank 1: ΔW = Σ c_i A_i B_iᵀ has rank ≤ 4
+            assert delta.abs().max() > 0 and torch.linalg.matrix_rank(delta) <= 4, name
+        else:
+            assert torch.equal(p, start[name]), name  # embeddings and norms are not perturbed
+
+    args = config(tmp_path / "learn", es_search_space="lowrank", population_size=16, sigma=0.05, learning_rate=0.05,
+                  per_device_train_batch_size=8, num_generations=1, generation_kwargs={"do_sample": False},
+                  lowrank_members_per_call=8, max_steps=10, seed=0)
+    trainer = ESTrainer(tiny_model_dir, upper_vocab_share, args=args, train_dataset=prompt_dataset)
+    trainer.train()
+    rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
+    assert max(rewards[-3:]) > rewards[0] + 0.2, rewards
+    with pytest.raises(ValueError, match="lowrank_rank=0 is invalid"):
+        config(tmp_path, es_search_space="lowrank", lowrank_rank=0)

@@ -14,7 +14,7 @@ from .es.noise import CHUNK
 from .es.subspaces import PARTITIONS
 
 BASELINES = ("none", "center")
-SEARCH_SPACES = ("full", "copes")
+SEARCH_SPACES = ("full", "copes", "lowrank")
 
 
 @dataclass
@@ -118,7 +118,9 @@ class ESConfig(TrainingArguments):
         metadata={
             "help": "What a member perturbs. 'full': every selected parameter (Gaussian ε). 'copes': cooperative "
             "subspaces, one of `copes_groups` parameter groups per member with σ·√K, one joint z-score, each group "
-            "updated from its own members."
+            "updated from its own members. 'lowrank' (EGGROLL): each nn.Linear weight's noise is σ·A·Bᵀ/√r of rank "
+            "`lowrank_rank`, applied in the forward pass (weights never written), the population generated in "
+            "batched calls; other parameters stay fixed."
         },
     )
     copes_groups: int = field(default=4, metadata={"help": "CoPES: the number K of parameter groups."})
@@ -127,6 +129,15 @@ class ESConfig(TrainingArguments):
         metadata={
             "help": "CoPES: how parameters are grouped: 'layer' (contiguous blocks of layers), 'module' (by module "
             "type: q_proj, up_proj, norms, …) or 'random' (seeded)."
+        },
+    )
+
+    lowrank_rank: int = field(default=1, metadata={"help": "Low-rank ES: the rank r of each member's noise."})
+    lowrank_members_per_call: int | None = field(
+        default=None,
+        metadata={
+            "help": "Low-rank ES: members per batched generate call (each brings per_device_train_batch_size × "
+            "num_generations rows); default all of this process's members in one call."
         },
     )
 
@@ -255,6 +266,13 @@ class ESConfig(TrainingArguments):
             directions = self.population_size // 2 if self.antithetic else self.population_size
             if not 1 <= self.copes_groups <= directions:
                 refuse("copes_groups", f"every group needs a member: use 1..{directions} groups for this population")
+        if self.es_search_space == "lowrank":
+            if self.lowrank_rank < 1:
+                refuse("lowrank_rank", "the rank must be ≥ 1")
+            if self.lowrank_members_per_call is not None and self.lowrank_members_per_call < 1:
+                refuse("lowrank_members_per_call", "each call needs at least one member")
+            if self.weight_decay:
+                refuse("weight_decay", "low-rank ES updates only along the members' low-rank directions")
         if self.sparse_delta_tau is not None and not self.sparse_delta_tau >= 0:
             refuse("sparse_delta_tau", "the magnitude threshold must be ≥ 0")
         if self.num_generations < 1:

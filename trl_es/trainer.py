@@ -45,6 +45,7 @@ from .es import (
     shape_fitness,
 )
 from .es.noise import _hash64
+from .es.lowrank import LowRankPopulation, lowrank_targets, lowrank_update
 from .es.update import update_coefficients
 from .population import (
     all_reduce_summaries,
@@ -202,6 +203,12 @@ class ESTrainer(_BaseTrainer):
         )
         self.es_params = select_parameters(self.model.named_parameters(), args.es_parameter_patterns)
         self._groups = self._member_groups = None
+        self._lowrank_targets = None
+        if args.es_search_space == "lowrank":
+            self._lowrank_targets = lowrank_targets(self.model, self.es_params)
+            if not self._lowrank_targets:
+                raise ValueError("es_search_space='lowrank' perturbs nn.Linear weights, and none is among the "
+                                 "parameters ES selects (es_parameter_patterns)")
         if args.es_search_space == "copes":
             self._groups = partition_parameters(list(self.es_params), args.copes_groups, args.copes_partition,
                                                 args.seed)
@@ -368,19 +375,22 @@ class ESTrainer(_BaseTrainer):
                 p.detach().view(-1)[:: self._stride].to("cpu", torch.float32, copy=True) for p in self.es_params.values()
             ]
 
-    def _generate_and_score(self, rows, prompt_ids, sampling_seed, extras=None):
-        """Generate with the current weights and score: (member reward R = mean completion reward, per-function
-        rewards of each completion, the rollout). Columns that reward functions log with `log_extra` go to `extras`."""
+    def _generate_and_score(self, rows, prompt_ids, sampling_seed, extras):
+        """Generate with the current weights and score (`_score`)."""
         timer = time.perf_counter()
-        g = self.args.num_generations
         rollout = self.rollout.generate(
-            [row["prompt"] for row in rows], prompt_ids, g, sampling_seed, self.args.log_completion_entropy
+            [row["prompt"] for row in rows], prompt_ids, self.args.num_generations, sampling_seed,
+            self.args.log_completion_entropy,
         )
         self._metrics["es/time/generate"].append(time.perf_counter() - timer)
+        return (*self._score(rows, rollout, extras), rollout)
+
+    def _score(self, rows, rollout, extras):
+        """(member reward R = mean completion reward, per-function rewards of each completion) of one member's
+        rollout. Columns that reward functions log with `log_extra` go to `extras`."""
         timer = time.perf_counter()
-        extras = defaultdict(list) if extras is None else extras
         per_func = self.reward_functions(
-            [row for row in rows for _ in range(g)],
+            [row for row in rows for _ in range(self.args.num_generations)],
             rollout.prompts,
             rollout.completions,
             rollout.completion_ids,
@@ -390,7 +400,22 @@ class ESTrainer(_BaseTrainer):
         )
         reward = self.reward_functions.combine(per_func).nanmean().item()
         self._metrics["es/time/reward"].append(time.perf_counter() - timer)
-        return reward, per_func, rollout
+        return reward, per_func
+
+    def _record(self, s, slot, step, rows, reward, per_func, rollout, extras, summaries) -> None:
+        """Write slot `s`'s summary row; keep the completions table of this process's first member."""
+        combined = self.reward_functions.combine(per_func)
+        success = (combined >= self.args.success_threshold).double().view(len(rows), -1).mean(1)  # NaN: no success
+        entropy_sum = sum(rollout.entropy_sums) if rollout.entropy_sums else 0.0
+        summaries[s] = summarize(
+            reward, torch.cat([combined[:, None], per_func], dim=1), [len(ids) for ids in rollout.completion_ids],
+            rollout.truncated, entropy_sum, success,
+        )
+        if slot != "center" and self._completions_step != step:
+            names = self.reward_functions.names
+            table_rewards = {n: per_func[:, k].tolist() for k, n in enumerate(names)}
+            self._last_completions = (rollout.prompts, rollout.completions, table_rewards, dict(extras))
+            self._completions_step = step
 
     def _es_step(self, rows: list[dict], step: int, learning_rate: float) -> None:
         """One ES step with all of θ in hand (gathered under ZeRO-3, whose partitions then take the update)."""
@@ -415,20 +440,42 @@ class ESTrainer(_BaseTrainer):
             extras = defaultdict(list)
             sampling_seed = self._sampling_seed(step, slot)
             reward, per_func, rollout = self._generate_and_score(rows, prompt_ids, sampling_seed, extras)
-            combined = self.reward_functions.combine(per_func)
-            success = (combined >= args.success_threshold).double().view(len(rows), -1).mean(1)  # NaN: no success
-            entropy_sum = sum(rollout.entropy_sums) if rollout.entropy_sums else 0.0
-            summaries[s] = summarize(
-                reward, torch.cat([combined[:, None], per_func], dim=1), [len(ids) for ids in rollout.completion_ids],
-                rollout.truncated, entropy_sum, success,
-            )
+            self._record(s, slot, step, rows, reward, per_func, rollout, extras, summaries)
             if perturbed is not None:  # the next member may perturb another group: this one goes back to θ
                 self._snapshot.restore(perturbed)
-            if slot != "center" and self._completions_step != step:  # the table shows this process's first member
-                names = self.reward_functions.names
-                table_rewards = {n: per_func[:, k].tolist() for k, n in enumerate(names)}
-                self._last_completions = (rollout.prompts, rollout.completions, table_rewards, dict(extras))
-                self._completions_step = step
+        return noise_time
+
+    def _evaluate_slots_batched(self, rows, prompt_ids, step, slots, directions, summaries) -> float:
+        """EGGROLL: this process's slots in batched `generate` calls (`lowrank_members_per_call` members each), row
+        by row seeing its member's low-rank perturbation θ + σ·A·Bᵀ/√r (the centre none), applied in the forward
+        pass: the weights are never written. Returns the seconds spent building the perturbations."""
+        args, accelerator = self.args, self.accelerator
+        mine = local_slots(len(slots), accelerator.process_index, accelerator.num_processes)
+        per_call = args.lowrank_members_per_call or len(mine) or 1
+        prompts, width, noise_time = [row["prompt"] for row in rows], len(rows) * args.num_generations, 0.0
+        for start in range(0, len(mine), per_call):
+            part = mine[start : start + per_call]
+            members = [slots[s] for s in part if slots[s] != "center"]
+            row_members = torch.tensor([-1 if slots[s] == "center" else members.index(slots[s]) for s in part])
+            timer = time.perf_counter()
+            population = LowRankPopulation(
+                self._lowrank_targets, [directions[m][0] for m in members], [directions[m][1] for m in members],
+                args.sigma, args.lowrank_rank, row_members.repeat_interleave(width),
+            )
+            with population:
+                noise_time += time.perf_counter() - timer
+                timer = time.perf_counter()
+                rollout = self.rollout.generate(
+                    prompts * len(part), prompt_ids * len(part), args.num_generations,
+                    self._sampling_seed(step, f"call-{start}"), args.log_completion_entropy,
+                )
+            for _ in part:  # es/time/generate is per member
+                self._metrics["es/time/generate"].append((time.perf_counter() - timer) / len(part))
+            for j, s in enumerate(part):
+                extras = defaultdict(list)
+                member_rollout = rollout.select(j * width, (j + 1) * width)
+                reward, per_func = self._score(rows, member_rollout, extras)
+                self._record(s, slots[s], step, rows, reward, per_func, member_rollout, extras, summaries)
         return noise_time
 
     def _es_step_full(self, rows: list[dict], step: int, learning_rate: float) -> None:
@@ -451,7 +498,8 @@ class ESTrainer(_BaseTrainer):
         try:
             error = None
             try:
-                noise_time += self._evaluate_slots(rows, prompt_ids, step, slots, directions, summaries)
+                evaluate = self._evaluate_slots_batched if self._lowrank_targets else self._evaluate_slots
+                noise_time += evaluate(rows, prompt_ids, step, slots, directions, summaries)
             except Exception as exc:  # reported to the other processes below, then raised
                 error = exc
             timer = time.perf_counter()
@@ -520,9 +568,13 @@ class ESTrainer(_BaseTrainer):
 
     def _apply_update(self, fitness, member_rewards, directions, learning_rate) -> float:
         """θ ← θ + α·(1/N)·Σ z_i ε_i over the members with a reward; under CoPES per group g, over its members
-        (θ_g ← θ_g + α·(1/N_g)·Σ_{i∈g} z_i ε_i,g). Returns ‖Δθ‖."""
+        (θ_g ← θ_g + α·(1/N_g)·Σ_{i∈g} z_i ε_i,g); low-rank: W ← W + α·(1/N)·Σ z_i A_i B_iᵀ/√r per matrix.
+        Returns ‖Δθ‖."""
         decay = learning_rate * self.args.weight_decay
         valid = (~torch.isnan(member_rewards)).tolist()
+        if self._lowrank_targets:
+            weights = {name: module.weight.data for name, module in self._lowrank_targets.items()}
+            return lowrank_update(weights, directions, fitness, learning_rate, sum(valid), self.args.lowrank_rank)
         if self._groups is None:
             coefficients = update_coefficients(fitness, directions, learning_rate, sum(valid))
             return apply_update(self._snapshot, self._noise_table, coefficients, decay=decay)

@@ -27,6 +27,12 @@ class Rollout:
     truncated: list[bool]
     entropy_sums: list[float] | None = None  # Σ over each completion's tokens of H(π(·|x_<t)), when recorded
 
+    def select(self, start: int, end: int) -> Rollout:
+        """Completions start..end-1 (e.g. one member's rows of a batched population)."""
+        entropy = None if self.entropy_sums is None else self.entropy_sums[start:end]
+        return Rollout(self.prompts[start:end], self.completions[start:end], self.completion_ids[start:end],
+                       self.truncated[start:end], entropy)
+
 
 class EntropyRecorder(LogitsProcessor):
     """Records each row's next-token entropy at every step and leaves the scores unchanged. transformers runs user
