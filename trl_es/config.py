@@ -14,7 +14,7 @@ from .es.noise import CHUNK
 from .es.subspaces import PARTITIONS
 
 BASELINES = ("none", "center")
-SEARCH_SPACES = ("full", "copes", "lowrank")
+SEARCH_SPACES = ("full", "copes", "lowrank", "merge")
 
 
 @dataclass
@@ -120,7 +120,8 @@ class ESConfig(TrainingArguments):
             "subspaces, one of `copes_groups` parameter groups per member with σ·√K, one joint z-score, each group "
             "updated from its own members. 'lowrank' (EGGROLL): each nn.Linear weight's noise is σ·A·Bᵀ/√r of rank "
             "`lowrank_rank`, applied in the forward pass (weights never written), the population generated in "
-            "batched calls; other parameters stay fixed."
+            "batched calls; other parameters stay fixed. 'merge' (Hyper-ES): CMA-ES over layer-wise DARE-TIES merge "
+            "coefficients of the task vectors of `merge_models`; the model holds the best merge found."
         },
     )
     copes_groups: int = field(default=4, metadata={"help": "CoPES: the number K of parameter groups."})
@@ -140,6 +141,19 @@ class ESConfig(TrainingArguments):
             "num_generations rows); default all of this process's members in one call."
         },
     )
+
+    merge_models: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Hyper-ES: fine-tuned models of the same base (directories, checkpoints, PEFT adapters merged on "
+            "their base); their task vectors θ_k − θ_start are merged."
+        },
+    )
+    merge_density: float = field(
+        default=0.5, metadata={"help": "Hyper-ES: DARE's share of each task vector's entries kept, in (0, 1]."}
+    )
+    merge_init: float = field(default=1.0, metadata={"help": "Hyper-ES: initial merge coefficient of every vector."})
+    merge_sigma: float = field(default=0.2, metadata={"help": "Hyper-ES: CMA-ES's initial step size."})
 
     # Model
     model_init_kwargs: dict[str, Any] | str | None = field(
@@ -273,6 +287,13 @@ class ESConfig(TrainingArguments):
                 refuse("lowrank_members_per_call", "each call needs at least one member")
             if self.weight_decay:
                 refuse("weight_decay", "low-rank ES updates only along the members' low-rank directions")
+        if self.es_search_space == "merge":
+            if not self.merge_models:
+                refuse("merge_models", "Hyper-ES merges task vectors: give at least one fine-tuned model")
+            if not 0 < self.merge_density <= 1:
+                refuse("merge_density", "DARE keeps a share in (0, 1] of each task vector")
+            if not self.merge_sigma > 0:
+                refuse("merge_sigma", "CMA-ES needs a step size > 0")
         if self.sparse_delta_tau is not None and not self.sparse_delta_tau >= 0:
             refuse("sparse_delta_tau", "the magnitude threshold must be ≥ 0")
         if self.num_generations < 1:

@@ -204,6 +204,9 @@ class ESTrainer(_BaseTrainer):
         self.es_params = select_parameters(self.model.named_parameters(), args.es_parameter_patterns)
         self._groups = self._member_groups = None
         self._lowrank_targets = None
+        self._merge = self._candidates = None
+        if args.es_search_space == "merge":
+            self._merge = self._prepare_merge_search()
         if args.es_search_space == "lowrank":
             self._lowrank_targets = lowrank_targets(self.model, self.es_params)
             if not self._lowrank_targets:
@@ -307,6 +310,11 @@ class ESTrainer(_BaseTrainer):
         with self._full_parameters():
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             self._write_shards(self.model.parameters())
+        search_state = os.path.join(resume_from_checkpoint, "merge_search.pt")
+        if self._merge is not None:
+            if not os.path.isfile(search_state):
+                raise FileNotFoundError(f"{search_state} is missing: this checkpoint was not saved by a Hyper-ES run")
+            self._merge["search"].load_state_dict(torch.load(search_state))
 
     def floating_point_ops(self, inputs) -> int:
         return 0  # no forward/backward FLOPs in Trainer's sense
@@ -434,8 +442,11 @@ class ESTrainer(_BaseTrainer):
                 perturbed, scale = self._groups[self._member_groups[slot]], args.sigma * len(self._groups) ** 0.5
             if slot != "center":
                 timer = time.perf_counter()
-                seed, sign = directions[slot]
-                self._snapshot.perturb(self._noise_table, seed, sign * scale, perturbed)
+                if self._merge is not None:  # Hyper-ES: the member is a candidate merge
+                    self._write_weights(self._merged(self._candidates[slot]))
+                else:
+                    seed, sign = directions[slot]
+                    self._snapshot.perturb(self._noise_table, seed, sign * scale, perturbed)
                 noise_time += time.perf_counter() - timer
             extras = defaultdict(list)
             sampling_seed = self._sampling_seed(step, slot)
@@ -489,6 +500,8 @@ class ESTrainer(_BaseTrainer):
         snapshot = self._snapshot
         prompt_ids = self.rollout.tokenize([row["prompt"] for row in rows])
         directions = self._member_directions(step)
+        if self._merge is not None:
+            self._candidates = self._merge["search"].ask()  # the same on every process: CMA-ES is seeded
         slots = (["center"] if args.es_baseline == "center" else []) + list(range(len(directions)))
         width = summary_width(len(self.reward_functions.names), len(rows))
         summaries = torch.zeros(len(slots), width, dtype=torch.float64)
@@ -572,6 +585,8 @@ class ESTrainer(_BaseTrainer):
         Returns ‖Δθ‖."""
         decay = learning_rate * self.args.weight_decay
         valid = (~torch.isnan(member_rewards)).tolist()
+        if self._merge is not None:
+            return self._merge_update(member_rewards)
         if self._lowrank_targets:
             weights = {name: module.weight.data for name, module in self._lowrank_targets.items()}
             return lowrank_update(weights, directions, fitness, learning_rate, sum(valid), self.args.lowrank_rank)
@@ -585,6 +600,60 @@ class ESTrainer(_BaseTrainer):
             coefficients = update_coefficients(fitness[members], [directions[i] for i in members], learning_rate, n_valid)
             squared += apply_update(self._snapshot, self._noise_table, coefficients, decay=decay, names=names) ** 2
         return squared**0.5
+
+    # ---- Hyper-ES: CMA-ES over merge coefficients ----------------------------------------------------------------
+
+    def _prepare_merge_search(self) -> dict:
+        """Task vectors τ_k = θ_k − θ_base of `merge_models` against the starting weights, their layer groups and
+        the CMA-ES search over the (K × L) merge coefficients (`trl_es.es.merge`)."""
+        args = self.args
+        if self._zero_stage == 3:
+            raise ValueError("es_search_space='merge' holds the base and task vectors whole: use ZeRO-2 or none")
+        try:
+            from .es.merge import MergeSearch, layer_groups, task_vectors
+        except ImportError as error:
+            raise ImportError("es_search_space='merge' needs cma and peft: pip install 'trl-es[merge]'") from error
+        base = {name: p.detach().to("cpu", copy=True) for name, p in self.es_params.items()}
+        tuned = []
+        for path in args.merge_models:
+            named = dict(load_starting_model(path).named_parameters())
+            tuned.append({name: named.get(name, torch.empty(0)).detach() for name in base})
+        vectors = task_vectors(base, tuned)
+        groups = layer_groups(list(base))
+        search = MergeSearch(len(vectors), max(groups.values()) + 1, init=args.merge_init, sigma0=args.merge_sigma,
+                             popsize=args.population_size, seed=args.seed)
+        return {"base": base, "vectors": vectors, "groups": groups, "search": search}
+
+    def _merged(self, coefficients: torch.Tensor) -> dict[str, torch.Tensor]:
+        from .es.merge import merge
+
+        m = self._merge
+        return merge(m["base"], m["vectors"], coefficients, m["groups"], self.args.merge_density, self.args.seed)
+
+    @torch.no_grad()
+    def _write_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        for name, p in self.es_params.items():
+            p.copy_(weights[name])
+
+    def _merge_update(self, member_rewards: torch.Tensor) -> float:
+        """CMA-ES `tell` with the candidates' rewards (a candidate without a reward counts as the worst one); θ
+        becomes the best merge found so far. Returns ‖Δθ‖."""
+        rewards = member_rewards.clone()
+        rewards[rewards.isnan()] = rewards[~rewards.isnan()].min()
+        search = self._merge["search"]
+        search.tell(self._candidates, rewards.tolist())
+        best, best_reward = search.best()
+        self._write_weights(self._merged(best))
+        self._metrics["es/merge_best_reward"].append(best_reward)
+        return sum(float((p.detach().float() - self._snapshot.copies[name].float()).square().sum())
+                   for name, p in self.es_params.items()) ** 0.5
+
+    def _save_checkpoint(self, model, trial):
+        """Trainer's checkpoint, plus the CMA-ES state under Hyper-ES (`merge_search.pt`)."""
+        super()._save_checkpoint(model, trial)
+        if self._merge is not None and self.args.should_save:
+            folder = os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}")
+            torch.save(self._merge["search"].state_dict(), os.path.join(folder, "merge_search.pt"))
 
     # ---- Evaluation ---------------------------------------------------------------------------------------------
 

@@ -1,0 +1,174 @@
+"""Hyper-ES: CMA-ES over layer-wise merge coefficients of task vectors, merged with DARE-TIES.
+
+Given a base model θ_base and K fine-tuned models θ_1..θ_K of the same architecture, the task vectors are
+τ_k = θ_k − θ_base. A candidate is a coefficient matrix c of shape (K, L), one column per layer group (one group
+per transformer layer, plus one for everything else); the merged weights of a tensor in group l are
+
+    θ = θ_base + DARE-TIES(τ_1..τ_K; weights c[:, l], density d)
+
+with peft's `dare_ties` (Yu et al. 2024, "Language Models are Super Mario"; Yadav et al. 2023, "TIES-Merging"):
+each τ_k is pruned at random to a fraction d of its entries and rescaled by 1/d (DARE), a sign is elected per
+entry from the sum of the pruned τ_k, and the merged delta is the mean of c_k·τ_k over the k whose sign agrees
+(TIES disjoint merge). So with c = 1 everywhere the delta is the plain DARE-TIES merge, and with K = 1 and d = 1
+it is exactly c·τ. The sign is elected before weighting, so a negative c_k reverses τ_k's kept entries.
+
+`MergeSearch` runs CMA-ES (Hansen 2016, the `cma` package) over the flattened K·L coefficients to maximize a
+reward; evaluating a candidate (generating with its merged weights, scoring it) is left to the caller.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import re
+from collections.abc import Mapping
+
+import cma
+import numpy as np
+import torch
+from peft.utils.merge_utils import dare_ties
+
+from .noise import _hash64
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def task_vectors(
+    base: Mapping[str, torch.Tensor], tuned: list[Mapping[str, torch.Tensor]]
+) -> list[dict[str, torch.Tensor]]:
+    """τ_k = θ_k − θ_base in float32, one dict per tuned model, keyed like `base`."""
+    vectors = []
+    for k, theta in enumerate(tuned):
+        unmatched = sorted(set(base).symmetric_difference(theta))
+        if unmatched:
+            name = unmatched[0]
+            where = "base" if name in base else f"tuned model {k}"
+            raise ValueError(f"parameter {name!r} is only in the {where}: task vectors need identical parameter names")
+        for name, value in base.items():
+            if theta[name].shape != value.shape:
+                raise ValueError(
+                    f"parameter {name!r} has shape {tuple(theta[name].shape)} in tuned model {k} "
+                    f"but {tuple(value.shape)} in the base"
+                )
+        vectors.append({name: theta[name].float() - value.float() for name, value in base.items()})
+    return vectors
+
+
+def layer_groups(names: list[str]) -> dict[str, int]:
+    """Parameter name → layer group: group i is the i-th smallest transformer layer index `layers.<n>.` found in
+    the names, and the last group holds every other parameter (embeddings, final norm, lm_head) if there is any."""
+    layers = sorted({int(match.group(1)) for name in names if (match := _LAYER.search(name))})
+    index = {layer: i for i, layer in enumerate(layers)}
+    groups = {}
+    for name in names:
+        match = _LAYER.search(name)
+        groups[name] = index[int(match.group(1))] if match else len(layers)
+    return groups
+
+
+def merge_seed(seed: int, name: str) -> int:
+    """The torch seed of DARE's random pruning of parameter `name` in a merge with base `seed`."""
+    return _hash64("es-merge", seed, name)
+
+
+@torch.no_grad()
+def merge(
+    base: Mapping[str, torch.Tensor],
+    vectors: list[Mapping[str, torch.Tensor]],
+    coefficients: torch.Tensor,
+    groups: Mapping[str, int],
+    density: float = 0.5,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    """θ = θ_base + dare_ties(τ_1..τ_K; c[:, groups[name]], density) for every tensor of `base`, in its dtype.
+
+    `coefficients` is c, of shape (K, L) with L = max(groups) + 1. DARE's pruning draws from torch's RNG, forked
+    and seeded with `merge_seed(seed, name)`, so a merge is the same on every process and call (on one device
+    type: CPU and CUDA draw different masks) and every candidate of a search is merged with the same masks.
+    """
+    if not 0 < density <= 1:
+        raise ValueError(f"density must be in (0, 1], got {density}")
+    shape = (len(vectors), max(groups.values()) + 1)
+    if tuple(coefficients.shape) != shape:
+        raise ValueError(f"coefficients must have shape (K, L) = {shape}, got {tuple(coefficients.shape)}")
+    merged = {}
+    for name, theta in base.items():
+        if name not in groups:
+            raise ValueError(f"parameter {name!r} has no layer group")
+        weights = coefficients[:, groups[name]].to(device=theta.device, dtype=torch.float32)
+        devices = [] if theta.device.type == "cpu" else [theta.device]
+        with torch.random.fork_rng(devices=devices, device_type=theta.device.type):
+            torch.manual_seed(merge_seed(seed, name))
+            delta = dare_ties([vector[name] for vector in vectors], weights, density)
+        merged[name] = (theta.float() + delta).to(theta.dtype)
+    return merged
+
+
+class _Randn:
+    """randn(*shape) for CMA-ES from its own numpy generator, so sampling neither reads nor seeds numpy's global
+    RNG and the generator's state is pickled with the CMA object."""
+
+    def __init__(self, seed: int):
+        self.generator = np.random.default_rng(seed)
+
+    def __call__(self, *shape: int) -> np.ndarray:
+        return self.generator.standard_normal(shape)
+
+
+class MergeSearch:
+    """CMA-ES maximizing a reward over merge coefficients c ∈ R^{K×L}, started at c = `init` everywhere.
+
+    The default `init` = 1 starts from the plain DARE-TIES merge of all K task vectors (for K = 1, the tuned model
+    itself): peft's TIES step averages the agreeing c_k·τ_k, so c_k ≈ 1 is the natural scale, and `sigma0` = 0.2
+    explores ±20% of it per layer group. `popsize` None uses CMA-ES's default 4 + ⌊3 ln(K·L)⌋. The search is
+    deterministic in `seed`: the same tells give the same asks.
+    """
+
+    def __init__(
+        self,
+        n_vectors: int,
+        n_groups: int,
+        init: float = 1.0,
+        sigma0: float = 0.2,
+        popsize: int | None = None,
+        seed: int = 0,
+    ):
+        self.shape = (n_vectors, n_groups)
+        options = {"seed": math.nan, "randn": _Randn(_hash64("es-merge-search", seed)), "verbose": -9}
+        if popsize is not None:
+            options["popsize"] = popsize
+        self.es = cma.CMAEvolutionStrategy([init] * (n_vectors * n_groups), sigma0, options)
+
+    def ask(self) -> list[torch.Tensor]:
+        """The next population of candidate coefficient matrices (K × L, float64)."""
+        return [torch.from_numpy(np.array(x)).reshape(self.shape) for x in self.es.ask()]
+
+    def tell(self, candidates: list[torch.Tensor], rewards: list[float]) -> None:
+        """Update the distribution with the rewards of the asked `candidates` (CMA-ES minimizes −reward)."""
+        if len(candidates) != len(rewards):
+            raise ValueError(f"got {len(candidates)} candidates but {len(rewards)} rewards")
+        if not all(math.isfinite(reward) for reward in rewards):
+            raise ValueError(f"rewards must be finite (no NaN or inf), got {list(rewards)}")
+        solutions = [candidate.detach().cpu().double().reshape(-1).numpy() for candidate in candidates]
+        self.es.tell(solutions, [-float(reward) for reward in rewards])
+
+    def mean(self) -> torch.Tensor:
+        """The current mean of the search distribution (K × L, float64)."""
+        return torch.from_numpy(np.array(self.es.mean)).reshape(self.shape)
+
+    def best(self) -> tuple[torch.Tensor, float]:
+        """The best candidate told so far and its reward."""
+        if self.es.result.xbest is None:
+            raise RuntimeError("no candidate has been told yet")
+        return torch.from_numpy(np.array(self.es.result.xbest)).reshape(self.shape), -float(self.es.result.fbest)
+
+    def state_dict(self) -> dict[str, bytes]:
+        """The pickled CMA-ES state (distribution, best candidate, sampler RNG): loaded, it continues identically."""
+        return {"cma": pickle.dumps(self.es)}
+
+    def load_state_dict(self, state: Mapping[str, bytes]) -> None:
+        """Resume from `state_dict()` output; it is unpickled, so load only states you trust."""
+        es = pickle.loads(state["cma"])
+        if es.N != self.shape[0] * self.shape[1]:
+            raise ValueError(f"state has {es.N} coefficients, this search has {self.shape[0]}×{self.shape[1]}")
+        self.es = es
