@@ -182,3 +182,23 @@ def test_hyper_es_bad_input(tmp_path, tiny_model_dir, prompt_dataset):
     with pytest.raises(ValueError, match="shape"):
         ESTrainer(tiny_model_dir, upper_vocab_share, train_dataset=prompt_dataset,
                   args=config(tmp_path, es_search_space="merge", merge_models=[str(tmp_path / "wider")]))
+
+
+@pytest.mark.parametrize("recipe", ["patterns", "lora", "copes", "lowrank", "merge"])
+def test_search_space_recipes_run(recipe, tmp_path, tiny_model_dir, merge_parts):
+    """Each recipe in examples/search_spaces/ runs through `trl-es es` (on the tiny model, one step)."""
+    from pathlib import Path
+
+    from trl_es.cli import main
+
+    path = Path(__file__).parents[1] / "examples" / "search_spaces" / f"{recipe}.yaml"
+    out = tmp_path / "out"
+    overrides = ["--model_name_or_path", tiny_model_dir, "--max_steps", "1", "--output_dir", str(out),
+                 "--max_completion_length", "4"]
+    if recipe == "merge":
+        overrides += ["--merge_models", *merge_parts[0]]
+    if recipe == "copes":
+        overrides += ["--copes_groups", "2"]  # the tiny model has 2 layers
+    assert main(["es", "--config", str(path), *overrides]) == 0
+    saved = "adapter_config.json" if recipe == "lora" else "model.safetensors"
+    assert (out / saved).is_file()

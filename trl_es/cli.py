@@ -58,6 +58,14 @@ class ESScriptArguments:
     reward_model_name_or_path: str | None = field(
         default=None, metadata={"help": "A sequence-classification reward model id or path, scored as in GRPO."}
     )
+    # TRL's ModelConfig LoRA fields, same names and defaults: ES then perturbs a new adapter only
+    use_peft: bool = field(default=False, metadata={"help": "Train a new LoRA adapter (peft_config) instead."})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha."})
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA dropout (ES disables dropout)."})
+    lora_target_modules: list[str] | None = field(
+        default=None, metadata={"help": "Modules to adapt (default: peft's choice for the architecture)."}
+    )
 
 
 def _import(dotted: str):
@@ -111,6 +119,14 @@ def run_es(script_args: ESScriptArguments, training_args) -> None:
     from .models import smollm2_dir
 
     model = smollm2_dir() if script_args.model_name_or_path == "smollm2" else script_args.model_name_or_path
+    peft_config = None
+    if script_args.use_peft:
+        from trl import ModelConfig, get_peft_config
+
+        peft_config = get_peft_config(ModelConfig(
+            model_name_or_path=model, use_peft=True, lora_r=script_args.lora_r, lora_alpha=script_args.lora_alpha,
+            lora_dropout=script_args.lora_dropout, lora_target_modules=script_args.lora_target_modules,
+        ))
     trainer = ESTrainer(
         model=model,
         reward_funcs=load_reward_funcs(script_args.reward_funcs, script_args.reward_model_name_or_path),
@@ -118,6 +134,7 @@ def run_es(script_args: ESScriptArguments, training_args) -> None:
         train_dataset=load_train_dataset(
             script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split
         ),
+        peft_config=peft_config,
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)
