@@ -1,7 +1,7 @@
 """Search spaces side by side on SmolLM2-135M-Instruct, CPU: members per minute and peak memory of full-rank ES
 against the low-rank batched population (EGGROLL), then each strategy's reward curve on the demo task.
 
-    python benchmarks/search_spaces.py [--population 8] [--prompts 8] [--tokens 32] [--curve-steps 6] [--no-curves]
+    python benchmarks/search_spaces.py [--population 30] [--prompts 8] [--tokens 32] [--curve-steps 6] [--no-curves]
 
 Throughput: the same population, prompts and completion lengths (every completion exactly `--tokens` tokens), one
 fresh process per strategy; the wall time of the last of 2 steps (the first includes one-off allocations) and the
@@ -82,7 +82,7 @@ def run(spec: dict, out_dir: str) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--population", type=int, default=8)
+    parser.add_argument("--population", type=int, default=30, help="members N (ESConfig's default, as the paper)")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--curve-steps", type=int, default=6)

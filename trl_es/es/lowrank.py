@@ -6,8 +6,9 @@ B_i (in × r) i.i.d. N(0, 1) drawn from (seed_i, parameter name): each entry of 
 θ_i's weight is W + σ·sign_i·E_i (antithetic members share a seed and differ by sign).
 
 Members are never written into the weights: forward hooks on the target `nn.Linear`s add
-σ·sign_m/√r·(x·B_m)·A_mᵀ to the output of every batch row whose member is m, at a cost of
-O(batch·seq·(in + out)·r); a row of member −1 is the centre θ. The model's parameters stay bitwise unchanged.
+σ·sign_m/√r·(x·B_m)·A_mᵀ to the output of every batch row whose member is m, computed for all rows at once as
+((x·[B_1 … B_M]) ⊙ row mask)·[A_1 … A_M]ᵀ, two dense matmuls of O(batch·seq·(in + out)·M·r); a row of member −1
+is the centre θ. The model's parameters stay bitwise unchanged.
 
 Only the weights of `nn.Linear` modules are perturbed. Other parameters ES selects (norms, embeddings, biases, and
 a Linear weight tied to an embedding, such as a tied `lm_head`) are left at θ by this strategy.
@@ -84,27 +85,26 @@ class LowRankPopulation:
         if row_members.numel() and not (-1 <= int(row_members.min()) and int(row_members.max()) < len(seeds)):
             raise ValueError(f"row_members must lie in [-1, {len(seeds)}), got {row_members.tolist()}")
         self.targets, self.seeds, self.signs, self.sigma, self.rank = targets, seeds, signs, sigma, rank
-        # The centre (−1) indexes an extra all-zero member appended after the M real ones.
-        self.rows = torch.where(row_members < 0, len(seeds), row_members)
+        self.rows = row_members  # a centre row (−1) matches no member's columns: its mask is all zero
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
 
-    def stacked_factors(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A_stack (M + 1, out, r) holding σ·sign_m/√r·A_m, and B_stack (M + 1, in, r); member M is zero (centre)."""
-        out_features, in_features = weight.shape
-        a_stack = torch.zeros(len(self.seeds) + 1, out_features, self.rank)
-        b_stack = torch.zeros(len(self.seeds) + 1, in_features, self.rank)
-        for m, (seed, sign) in enumerate(zip(self.seeds, self.signs)):
-            a, b = lowrank_factors(seed, name, weight.shape, self.rank)
-            a_stack[m] = a * (self.sigma * sign / math.sqrt(self.rank))
-            b_stack[m] = b
-        return a_stack.to(weight.device, weight.dtype), b_stack.to(weight.device, weight.dtype)
+    def concatenated_factors(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """B_all (in, M·r) = [B_1 … B_M] and A_all (M·r, out) = [σ·sign_m/√r·A_m]ᵀ stacked by member."""
+        factors = [lowrank_factors(seed, name, weight.shape, self.rank) for seed in self.seeds]
+        b_all = torch.cat([b for _, b in factors], dim=1)
+        scales = [self.sigma * sign / math.sqrt(self.rank) for sign in self.signs]
+        a_all = torch.cat([a * scale for (a, _), scale in zip(factors, scales)], dim=1).T
+        return b_all.to(weight.device, weight.dtype), a_all.contiguous().to(weight.device, weight.dtype)
 
     def __enter__(self) -> None:
         try:
+            # mask[b, m·r + j] = 1 when row b belongs to member m: the rows' own factors, selected densely
+            columns = torch.arange(len(self.seeds) * self.rank) // self.rank
+            mask = (self.rows[:, None] == columns[None, :]).float()
             for name, module in self.targets.items():
-                a_stack, b_stack = self.stacked_factors(name, module.weight)
-                rows = self.rows.to(module.weight.device)
-                self.handles.append(module.register_forward_hook(_perturbation_hook(a_stack, b_stack, rows)))
+                b_all, a_all = self.concatenated_factors(name, module.weight)
+                row_mask = mask.to(module.weight.device, module.weight.dtype)
+                self.handles.append(module.register_forward_hook(_perturbation_hook(b_all, a_all, row_mask)))
         except BaseException:
             self.remove()
             raise
@@ -119,16 +119,16 @@ class LowRankPopulation:
         self.handles.clear()
 
 
-def _perturbation_hook(a_stack: torch.Tensor, b_stack: torch.Tensor, rows: torch.Tensor):
-    """A forward hook adding row b's (x_b·B_m)·A_mᵀ to the output, m = rows[b] (σ·sign/√r is folded into A)."""
+def _perturbation_hook(b_all: torch.Tensor, a_all: torch.Tensor, row_mask: torch.Tensor):
+    """A forward hook adding ((x·B_all) ⊙ mask_b)·A_all to row b's output: the rows' own members' (x·B_m)·A_mᵀ as
+    two dense matmuls (σ·sign/√r is folded into A_all; a centre row's mask is all zero)."""
 
     def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         x = args[0]
-        if x.shape[0] != rows.numel():
-            raise ValueError(f"the batch has {x.shape[0]} rows but the population assigns {rows.numel()} rows")
-        x = x.reshape(x.shape[0], -1, x.shape[-1])
-        xb = torch.einsum("bsi,bir->bsr", x, b_stack[rows])
-        return output + torch.einsum("bsr,bor->bso", xb, a_stack[rows]).reshape(output.shape)
+        if x.shape[0] != row_mask.shape[0]:
+            raise ValueError(f"the batch has {x.shape[0]} rows but the population assigns {row_mask.shape[0]} rows")
+        z = (x.reshape(x.shape[0], -1, x.shape[-1]) @ b_all) * row_mask[:, None, :]
+        return output + (z @ a_all).reshape(output.shape)
 
     return hook
 
