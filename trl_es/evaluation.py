@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from .metrics import maj_at_k, pass_at_k
 from .tasks import Task, get_task
+from .tasks.data import completion_text
 
 
 def score_problems(rows: list[dict], correct: list[bool], answers: list | None, n: int, k_values: list[int]) -> dict:
@@ -128,12 +129,12 @@ def evaluate_model(
             with torch.no_grad():
                 result = rollout.generate(prompts, rollout.tokenize(prompts), n, _hash64("eval", settings["seed"], b),
                                           record_entropy=True)
-            texts = [c if isinstance(c, str) else c[-1]["content"] for c in result.completions]
             columns = {c: [row[c] for row in rows for _ in range(n)] for c in task.answer_columns}
             rewards = task.reward(prompts=result.prompts, completions=result.completions,
                                   completion_ids=result.completion_ids, **columns)
             correct = [r is not None and r >= 1.0 for r in rewards]
-            answers = [task.extract_answer(t) for t in texts] if task.extract_answer else None
+            extract = task.extract_answer
+            answers = [extract(completion_text(c)) for c in result.completions] if extract else None
             done[b] = {
                 "batch": b, "problems": len(rows), **score_problems(rows, correct, answers, n, k_values),
                 "tokens": sum(map(len, result.completion_ids)), "entropy_sum": sum(result.entropy_sums),

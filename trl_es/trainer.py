@@ -19,10 +19,10 @@ from accelerate.data_loader import BatchSamplerShard
 from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.trainer_utils import _is_peft_model
 from transformers.utils import logging
 from trl.models.utils import prepare_deepspeed, unwrap_model_for_generation
 from trl.trainer.base_trainer import _BaseTrainer
-from transformers.trainer_utils import _is_peft_model
 from trl.trainer.utils import (
     disable_dropout_in_model,
     get_config_model_id,
@@ -33,7 +33,6 @@ from trl.trainer.utils import (
 from . import sparse
 from .checkpoints import eos_token_ids, load_starting_model, load_tokenizer
 from .config import ESConfig
-from .evaluation import score_problems
 from .es import (
     NoiseTable,
     ParameterSnapshot,
@@ -44,9 +43,10 @@ from .es import (
     select_parameters,
     shape_fitness,
 )
-from .es.noise import _hash64
 from .es.lowrank import LowRankPopulation, lowrank_targets, lowrank_update
+from .es.noise import _hash64
 from .es.update import update_coefficients
+from .evaluation import score_problems
 from .population import (
     all_reduce_summaries,
     local_slots,
@@ -58,6 +58,7 @@ from .population import (
 from .rewards import RewardFunctions
 from .rollout import TransformersRollout
 from .tasks import get_task
+from .tasks.data import completion_text
 
 logger = logging.get_logger(__name__)
 
@@ -687,8 +688,7 @@ class ESTrainer(_BaseTrainer):
                     log_extra=lambda *_: None,
                 )
                 combined = self.reward_functions.combine(per_func)
-                texts = [c if isinstance(c, str) else c[-1]["content"] for c in rollout.completions]
-                answers = [extract(text) for text in texts] if extract else None
+                answers = [extract(completion_text(c)) for c in rollout.completions] if extract else None
                 sums = score_problems(chunk, (combined >= args.success_threshold).tolist(), answers, n, args.eval_k)
                 totals += torch.tensor(
                     [*(sums[key] for key in keys), len(chunk), combined.nansum(), (~combined.isnan()).sum(),
