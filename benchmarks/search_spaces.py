@@ -1,7 +1,7 @@
 """Search spaces side by side on SmolLM2-135M-Instruct, CPU: members per minute and peak memory of full-rank ES
 against the low-rank batched population (EGGROLL), then each strategy's reward curve on the demo task.
 
-    python benchmarks/search_spaces.py [--population 30] [--prompts 8] [--tokens 32] [--curve-steps 6] [--no-curves]
+    python benchmarks/search_spaces.py [--population 30] [--prompts 8] [--tokens 32] [--curve-steps 6] [--no-curves] [--no-timing]
 
 Throughput: the same population, prompts and completion lengths (every completion exactly `--tokens` tokens), one
 fresh process per strategy; the wall time of the last of 2 steps (the first includes one-off allocations) and the
@@ -80,20 +80,9 @@ def run(spec: dict, out_dir: str) -> dict:
     return json.loads(Path(out_dir, "result.json").read_text())
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--population", type=int, default=30, help="members N (ESConfig's default, as the paper)")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--curve-steps", type=int, default=6)
-    parser.add_argument("--no-curves", action="store_true")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--spec", help=argparse.SUPPRESS)
-    options = parser.parse_args()
-    if options.worker:
-        return worker(json.loads(options.spec), options.worker)
-
-    n, scratch = options.population, tempfile.mkdtemp()
+def throughput(options, scratch: str) -> None:
+    """Full-rank vs low-rank batched: seconds per step, members per minute, peak RSS."""
+    n = options.population
     timing = {"population_size": n, "max_completion_length": options.tokens, "max_steps": 2, "sigma": 1e-3,
               "generation_kwargs": {"min_new_tokens": options.tokens}}
     spaces = {"full-rank (default)": {}, "low-rank batched (r=1)": {"es_search_space": "lowrank"}}
@@ -110,24 +99,43 @@ def main():
               f"{result['peak_rss'] / 2**20:12.0f}")
     full, low = (results[label]["step_seconds"] for label in spaces)
     print(f"low-rank batched / full-rank members per minute: {full / low:.2f}× (target ≥ 3×)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--population", type=int, default=30, help="members N (ESConfig's default, as the paper)")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--curve-steps", type=int, default=6)
+    parser.add_argument("--no-curves", action="store_true")
+    parser.add_argument("--no-timing", action="store_true")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.worker:
+        return worker(json.loads(options.spec), options.worker)
+
+    scratch = tempfile.mkdtemp()
+    if not options.no_timing:
+        throughput(options, scratch)
     if options.no_curves:
         return
 
-    curves, saved = {}, {}
+    print(f"Reward per step on the demo task (small sums, N=8, greedy, {options.curve_steps} steps; base ≈ 0.05)")
+    saved = {}
     for k, (label, extra) in enumerate(CURVES.items()):
-        out = os.path.join(scratch, f"curve-{k}")
+        saved[label] = os.path.join(scratch, f"curve-{k}")
         settings = {**DEMO, "population_size": 8, "max_steps": options.curve_steps, **extra}
-        curves[label] = run({"kind": "curve", "prompts": 8, "settings": settings}, out)
-        saved[label] = out
+        print_curve(label, run({"kind": "curve", "prompts": 8, "settings": settings}, saved[label]))
     merge = {**DEMO, "population_size": 8, "max_steps": options.curve_steps, "es_search_space": "merge",
              "merge_models": [saved["full"], saved["copes (4 layer groups)"]]}
-    curves["hyper-es (merge full + copes)"] = run({"kind": "curve", "prompts": 8, "settings": merge},
-                                                  os.path.join(scratch, "curve-merge"))
-    print(f"\nReward per step on the demo task (small sums, N=8, greedy, {options.curve_steps} steps; base ≈ 0.05)")
-    for label, result in curves.items():
-        rewards = " ".join(f"{r:.2f}" for r in result["rewards"])
-        print(f"{label:32} {rewards}   ({result['step_seconds']:.0f} s/step)")
+    print_curve("hyper-es (merge full + copes)",
+                run({"kind": "curve", "prompts": 8, "settings": merge}, os.path.join(scratch, "curve-merge")))
 
+
+def print_curve(label: str, result: dict) -> None:
+    rewards = " ".join(f"{r:.2f}" for r in result["rewards"])
+    print(f"{label:32} {rewards}   ({result['step_seconds']:.0f} s/step)", flush=True)
 
 if __name__ == "__main__":
     main()
