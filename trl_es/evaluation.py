@@ -150,20 +150,27 @@ def evaluate_model(
 
 
 def _read_records(path: str, settings: dict) -> dict[int, dict]:
-    """The finished batches of an earlier run with the same settings (a ValueError for other settings)."""
+    """The finished batches of an earlier run with the same settings (a ValueError for other settings). A last
+    line cut short by an interruption is dropped from the file: that batch is generated again."""
     if not os.path.isfile(path):
         return {}
-    done = {}
     with open(path) as f:
-        lines = [json.loads(line) for line in f if line.strip()]
-    if lines and lines[0].get("settings") != settings:
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if number < len(lines) - 1:
+                raise ValueError(f"{path} line {number + 1} is corrupt; delete the file to start over") from error
+            with open(path, "w") as f:  # keep the complete lines only
+                f.write("".join(kept + "\n" for kept in lines[:-1]))
+    if records and records[0].get("settings") != settings:
         raise ValueError(
-            f"{path} holds an evaluation with other settings ({lines[0].get('settings')}); use another --out-dir "
+            f"{path} holds an evaluation with other settings ({records[0].get('settings')}); use another --out-dir "
             "or delete it to start over"
         )
-    for record in lines[1:]:
-        done[record["batch"]] = record
-    return done
+    return {record["batch"]: record for record in records[1:]}
 
 
 def summarize_records(records: list[dict], k_values: list[int]) -> dict:
