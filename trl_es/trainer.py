@@ -598,7 +598,8 @@ class ESTrainer(_BaseTrainer):
         for g, names in enumerate(self._groups):
             members = [i for i, group in enumerate(self._member_groups) if group == g]
             n_valid = max(sum(valid[i] for i in members), 1)
-            coefficients = update_coefficients(fitness[members], [directions[i] for i in members], learning_rate, n_valid)
+            group_directions = [directions[i] for i in members]
+            coefficients = update_coefficients(fitness[members], group_directions, learning_rate, n_valid)
             squared += apply_update(self._snapshot, self._noise_table, coefficients, decay=decay, names=names) ** 2
         return squared**0.5
 
@@ -618,7 +619,12 @@ class ESTrainer(_BaseTrainer):
         tuned = []
         for path in args.merge_models:
             named = dict(load_starting_model(path).named_parameters())
-            tuned.append({name: named.get(name, torch.empty(0)).detach() for name in base})
+            missing = [name for name in base if name not in named]
+            if missing:
+                raise ValueError(
+                    f"merge model {path!r} lacks {missing[:3]}: it is not a fine-tuned version of this model"
+                )
+            tuned.append({name: named[name].detach() for name in base})
         vectors = task_vectors(base, tuned)
         groups = layer_groups(list(base))
         search = MergeSearch(len(vectors), max(groups.values()) + 1, init=args.merge_init, sigma0=args.merge_sigma,
