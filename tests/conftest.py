@@ -21,12 +21,13 @@ def tokenizer_dir():
     return smollm2_tokenizer_dir()
 
 
-def build_tiny_model(path, tokenizer_dir, dtype=torch.float32, seed=0):
-    """A 2-layer Llama with SmolLM2's vocabulary (≈0.8M parameters), saved with the tokenizer as a model dir."""
+def build_tiny_model(path, tokenizer_dir, dtype=torch.float32, seed=0, **config_overrides):
+    """A 2-layer Llama with SmolLM2's vocabulary (≈0.8M parameters), saved with the tokenizer as a model dir.
+    `config_overrides` replace LlamaConfig fields (vLLM's CPU attention needs heads of ≥32 dimensions)."""
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(
+    values = dict(
         vocab_size=len(tokenizer),
         hidden_size=16,
         intermediate_size=32,
@@ -39,6 +40,7 @@ def build_tiny_model(path, tokenizer_dir, dtype=torch.float32, seed=0):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    config = LlamaConfig(**{**values, **config_overrides})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(dtype)
     model.generation_config = GenerationConfig(

@@ -15,6 +15,7 @@ from .es.subspaces import PARTITIONS
 
 BASELINES = ("none", "center")
 SEARCH_SPACES = ("full", "copes", "lowrank", "merge")
+VLLM_MODES = ("colocate", "server")
 
 
 @dataclass
@@ -155,6 +156,57 @@ class ESConfig(TrainingArguments):
     merge_init: float = field(default=1.0, metadata={"help": "Hyper-ES: initial merge coefficient of every vector."})
     merge_sigma: float = field(default=0.2, metadata={"help": "Hyper-ES: CMA-ES's initial step size."})
 
+    # Generation with vLLM (GRPOConfig's fields, same meaning)
+    use_vllm: bool = field(
+        default=False,
+        metadata={
+            "help": "Generate with vLLM instead of transformers' `generate`. Members are written into vLLM's weights "
+            "from their seeds inside vLLM's workers (trl_es.rollout.vllm_worker); needs `pip install 'trl-es[vllm]'`."
+        },
+    )
+    vllm_mode: str = field(
+        default="colocate",
+        metadata={
+            "help": "'colocate': an in-process vLLM engine per training process. 'server': a vLLM server started "
+            "with `trl-es vllm-serve` (one training process per server: a server holds one member at a time).",
+            "choices": list(VLLM_MODES),
+        },
+    )
+    vllm_model_impl: str = field(
+        default="vllm",
+        metadata={"help": "Model implementation in vLLM: 'vllm' or 'transformers'."},
+    )
+    vllm_enable_sleep_mode: bool = field(
+        default=False,
+        metadata={"help": "Refused: sleep mode frees vLLM's memory for a backward pass and optimizer, which ES has not."},
+    )
+    vllm_server_base_url: str | None = field(
+        default=None,
+        metadata={"help": "Server mode: base URL of the server (e.g. 'http://localhost:8000'); overrides host and port."},
+    )
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Server mode: host of the server."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "Server mode: port of the server."})
+    vllm_server_timeout: float = field(
+        default=240.0,
+        metadata={"help": "Server mode: seconds to wait for the server's /health before a ConnectionError."},
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3,
+        metadata={"help": "Colocate mode: share of GPU memory vLLM may take (weights, activations, KV cache)."},
+    )
+    vllm_max_model_length: int | None = field(
+        default=None,
+        metadata={"help": "Colocate mode: vLLM's context length (prompt + completion); default: the model's."},
+    )
+    vllm_tensor_parallel_size: int = field(
+        default=1,
+        metadata={"help": "Colocate mode: GPUs per vLLM engine (tensor parallelism); must divide the process count."},
+    )
+    vllm_enforce_eager: bool | None = field(
+        default=None,
+        metadata={"help": "Colocate mode: run vLLM without CUDA graphs / torch.compile. Default: on CPU only."},
+    )
+
     # Model
     model_init_kwargs: dict[str, Any] | str | None = field(
         default=None,
@@ -294,6 +346,19 @@ class ESConfig(TrainingArguments):
                 refuse("merge_density", "DARE keeps a share in (0, 1] of each task vector")
             if not self.merge_sigma > 0:
                 refuse("merge_sigma", "CMA-ES needs a step size > 0")
+        if self.use_vllm:
+            if self.vllm_mode not in VLLM_MODES:
+                refuse("vllm_mode", f"choose one of {VLLM_MODES}")
+            if self.vllm_enable_sleep_mode:
+                refuse("vllm_enable_sleep_mode", "sleep mode frees vLLM's memory for a backward pass and an optimizer "
+                       "step; ES has neither and generates all the time")
+            if self.es_search_space in ("lowrank", "merge"):
+                refuse("es_search_space", "vLLM takes members as seeded full-rank perturbations: use 'full' or 'copes' "
+                       "with use_vllm, or use_vllm=False")
+            if self.log_completion_entropy:
+                refuse("log_completion_entropy", "vLLM does not return the full next-token distribution")
+            if not 0 < self.vllm_gpu_memory_utilization <= 1:
+                refuse("vllm_gpu_memory_utilization", "a share of GPU memory in (0, 1]")
         if self.sparse_delta_tau is not None and not self.sparse_delta_tau >= 0:
             refuse("sparse_delta_tau", "the magnitude threshold must be ≥ 0")
         if self.num_generations < 1:

@@ -56,7 +56,7 @@ from .population import (
     summary_width,
 )
 from .rewards import RewardFunctions
-from .rollout import TransformersRollout
+from .rollout import TransformersRollout, VLLMRollout, require_vllm
 from .tasks import get_task
 from .tasks.data import completion_text
 
@@ -129,6 +129,11 @@ class ESTrainer(_BaseTrainer):
             except ImportError as error:
                 raise ImportError("`peft_config` needs peft: pip install 'trl-es[peft]'") from error
             model = get_peft_model(model, peft_config)
+        if args.use_vllm:
+            require_vllm()
+            if _is_peft_model(model):
+                raise ValueError("use_vllm=True loads full models into vLLM, which ES perturbs by HF parameter name: "
+                                 "train adapters (peft_config, es_adapter_only) with use_vllm=False")
         if _is_peft_model(model) and args.sparse_delta_tau is not None:
             raise ValueError(
                 "ESConfig.sparse_delta_tau needs a full model: a PEFT adapter is already a compact update (train "
@@ -195,13 +200,20 @@ class ESTrainer(_BaseTrainer):
             "repetition_penalty": args.repetition_penalty,
             **(args.generation_kwargs or {}),
         }
-        self.rollout = TransformersRollout(
-            self.model,
-            processing_class,
-            GenerationConfig(**generation_kwargs, disable_compile=True),
-            eos_ids,
-            args.chat_template_kwargs,
-        )
+        rollout_args = (self.model, processing_class, GenerationConfig(**generation_kwargs, disable_compile=True),
+                        eos_ids, args.chat_template_kwargs)
+        if args.use_vllm:
+            if self._zero_stage == 3:
+                raise ValueError("use_vllm=True needs θ whole on every process: use ZeRO-2 or none (ZeRO-3 partitions it)")
+            if args.vllm_mode == "server" and self.accelerator.num_processes > 1:
+                raise ValueError(
+                    f"vllm_mode='server' with {self.accelerator.num_processes} processes: a server holds one member's "
+                    "weights at a time, so one training process drives it. Use one process, or vllm_mode='colocate'."
+                )
+            self.rollout = VLLMRollout(*rollout_args, args, self.accelerator)
+        else:
+            self.rollout = TransformersRollout(*rollout_args)
+        self._vllm_started = False
         self.es_params = select_parameters(self.model.named_parameters(), args.es_parameter_patterns)
         self._groups = self._member_groups = None
         self._lowrank_targets = None
@@ -371,7 +383,14 @@ class ESTrainer(_BaseTrainer):
         key = "common" if self.args.common_generation_seed else member
         return _hash64("es-sampling", self.args.seed, step, key)
 
+    def _start_vllm(self):
+        """Give vLLM the trainer's θ and noise table (once, at the first step or evaluation)."""
+        if self.args.use_vllm and not self._vllm_started:
+            self.rollout.start(list(self.es_params), self.args.seed, self.args.noise_table_size)
+            self._vllm_started = True
+
     def _prepare_es_state(self):
+        self._start_vllm()
         device = next(iter(self.es_params.values())).device
         if self._noise_table is None:
             self._noise_table = NoiseTable(self.args.seed, self.args.noise_table_size, device)
@@ -441,19 +460,25 @@ class ESTrainer(_BaseTrainer):
             perturbed, scale = None, args.sigma  # full ES: every parameter
             if self._groups is not None and slot != "center":  # CoPES: the member's group, σ·√K
                 perturbed, scale = self._groups[self._member_groups[slot]], args.sigma * len(self._groups) ** 0.5
-            if slot != "center":
-                timer = time.perf_counter()
+            timer = time.perf_counter()
+            if args.use_vllm:  # vLLM rebuilds the member from its seed; the centre is θ
+                if slot == "center":
+                    self.rollout.restore()
+                else:
+                    seed, sign = directions[slot]
+                    self.rollout.perturb(seed, sign * scale, perturbed)
+            elif slot != "center":
                 if self._merge is not None:  # Hyper-ES: the member is a candidate merge
                     self._write_weights(self._merged(self._candidates[slot]))
                 else:
                     seed, sign = directions[slot]
                     self._snapshot.perturb(self._noise_table, seed, sign * scale, perturbed)
-                noise_time += time.perf_counter() - timer
+            noise_time += time.perf_counter() - timer
             extras = defaultdict(list)
             sampling_seed = self._sampling_seed(step, slot)
             reward, per_func, rollout = self._generate_and_score(rows, prompt_ids, sampling_seed, extras)
             self._record(s, slot, step, rows, reward, per_func, rollout, extras, summaries)
-            if perturbed is not None:  # the next member may perturb another group: this one goes back to θ
+            if perturbed is not None and not args.use_vllm:  # the next member may perturb another group: back to θ
                 self._snapshot.restore(perturbed)
         return noise_time
 
@@ -548,7 +573,7 @@ class ESTrainer(_BaseTrainer):
                     "the weights are left unchanged. Rewards that are all equal or all None (NaN) carry no signal.",
                     stacklevel=2,
                 )
-                snapshot.restore()
+                self._restore()
                 update_norm = 0.0
                 self._metrics["es/skipped_update"].append(1.0)
             else:
@@ -556,7 +581,7 @@ class ESTrainer(_BaseTrainer):
                 self._metrics["es/skipped_update"].append(0.0)
             update_time = time.perf_counter() - timer
         except BaseException:
-            snapshot.restore()
+            self._restore()
             raise
         metrics = self._metrics
         if center is not None:
@@ -580,6 +605,22 @@ class ESTrainer(_BaseTrainer):
         metrics["es/time/update"].append(update_time)
         metrics["es/time/communication"].append(communication_time)
 
+    def _restore(self) -> None:
+        """θ back in the model (bitwise, from the snapshot) and in vLLM."""
+        self._snapshot.restore()
+        if self.args.use_vllm:
+            self.rollout.restore()
+
+    def _update(self, coefficients: dict[int, float], decay: float, names: list[str] | None = None) -> float:
+        """`apply_update` on the model and, with vLLM, the same update inside vLLM (checked by its norm)."""
+        norm = apply_update(self._snapshot, self._noise_table, coefficients, decay=decay, names=names)
+        if self.args.use_vllm:
+            vllm_norm = self.rollout.update(coefficients, decay, names)
+            if abs(vllm_norm - norm) > 1e-5 * max(norm, 1e-12):
+                raise RuntimeError(f"vLLM's update (‖Δθ‖ = {vllm_norm}) differs from the trainer's ({norm}): its "
+                                   "weights no longer follow the trainer's")
+        return norm
+
     def _apply_update(self, fitness, member_rewards, directions, learning_rate) -> float:
         """θ ← θ + α·(1/N)·Σ z_i ε_i over the members with a reward; under CoPES per group g, over its members
         (θ_g ← θ_g + α·(1/N_g)·Σ_{i∈g} z_i ε_i,g); low-rank: W ← W + α·(1/N)·Σ z_i A_i B_iᵀ/√r per matrix.
@@ -593,14 +634,14 @@ class ESTrainer(_BaseTrainer):
             return lowrank_update(weights, directions, fitness, learning_rate, sum(valid), self.args.lowrank_rank)
         if self._groups is None:
             coefficients = update_coefficients(fitness, directions, learning_rate, sum(valid))
-            return apply_update(self._snapshot, self._noise_table, coefficients, decay=decay)
+            return self._update(coefficients, decay)
         squared = 0.0
         for g, names in enumerate(self._groups):
             members = [i for i, group in enumerate(self._member_groups) if group == g]
             n_valid = max(sum(valid[i] for i in members), 1)
             group_directions = [directions[i] for i in members]
             coefficients = update_coefficients(fitness[members], group_directions, learning_rate, n_valid)
-            squared += apply_update(self._snapshot, self._noise_table, coefficients, decay=decay, names=names) ** 2
+            squared += self._update(coefficients, decay, names) ** 2
         return squared**0.5
 
     # ---- Hyper-ES: CMA-ES over merge coefficients ----------------------------------------------------------------
@@ -681,13 +722,15 @@ class ESTrainer(_BaseTrainer):
         rank, world = accelerator.process_index, accelerator.num_processes
         rows = list(dataset)[rank::world]
         totals = torch.zeros(len(keys) + 5, dtype=torch.float64)  # keys, problems, Σreward, rewards, tokens, Σentropy
+        entropy = not args.use_vllm  # vLLM does not return the full next-token distribution
+        self._start_vllm()
         with self._full_parameters():
             for start in range(0, len(rows), args.per_device_eval_batch_size):
                 chunk = rows[start : start + args.per_device_eval_batch_size]
                 prompts = [row["prompt"] for row in chunk]
                 # seeded by the chunk's first problem: with one prompt per chunk, K processes sample as one does
                 seed = _hash64("es-eval", args.seed, self.state.global_step, rank + start * world)
-                rollout = self.rollout.generate(prompts, self.rollout.tokenize(prompts), n, seed, record_entropy=True)
+                rollout = self.rollout.generate(prompts, self.rollout.tokenize(prompts), n, seed, entropy)
                 per_func = self.reward_functions(
                     [row for row in chunk for _ in range(n)], rollout.prompts, rollout.completions,
                     rollout.completion_ids, trainer_state=self.state, log_metric=lambda *_: None,
@@ -698,14 +741,15 @@ class ESTrainer(_BaseTrainer):
                 sums = score_problems(chunk, (combined >= args.success_threshold).tolist(), answers, n, args.eval_k)
                 totals += torch.tensor(
                     [*(sums[key] for key in keys), len(chunk), combined.nansum(), (~combined.isnan()).sum(),
-                     sum(map(len, rollout.completion_ids)), sum(rollout.entropy_sums)],
+                     sum(map(len, rollout.completion_ids)), sum(rollout.entropy_sums or [0.0])],
                     dtype=torch.float64,
                 )
         totals = accelerator.reduce(totals.to(accelerator.device), "sum").cpu().tolist()
         problems, reward_sum, rewards, tokens, entropy_sum = totals[len(keys) :]
         metrics = {f"{metric_key_prefix}_{key}": total / problems for key, total in zip(keys, totals, strict=False)}
         metrics[f"{metric_key_prefix}_reward"] = reward_sum / rewards if rewards else float("nan")
-        metrics[f"{metric_key_prefix}_mean_token_entropy"] = entropy_sum / max(tokens, 1)
+        if entropy:
+            metrics[f"{metric_key_prefix}_mean_token_entropy"] = entropy_sum / max(tokens, 1)
         metrics[f"{metric_key_prefix}_runtime"] = round(time.perf_counter() - start_time, 4)
         super().log(metrics)  # not self.log, which would fold pending training metrics into this record
         self.control = self.callback_handler.on_evaluate(args, self.state, self.control, metrics)

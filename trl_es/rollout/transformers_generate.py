@@ -105,14 +105,19 @@ class TransformersRollout:
             end = next((k for k, token in enumerate(row) if token in self.eos_token_ids), None)
             completion_ids.append(row if end is None else row[: end + 1])
             truncated.append(end is None)
+        entropy_sums = None
+        if recorder is not None:
+            per_step = torch.stack(recorder.steps, dim=1).double()  # (rows, generated steps)
+            entropy_sums = [float(per_step[row, : len(ids)].sum()) for row, ids in enumerate(completion_ids)]
+        return self.rollout(prompts, num_generations, completion_ids, truncated, entropy_sums)
+
+    def rollout(self, prompts, num_generations, completion_ids, truncated, entropy_sums=None) -> Rollout:
+        """The Rollout of `completion_ids` (each ending with its EOS unless truncated), decoded as GRPOTrainer does:
+        text for text prompts, an assistant message for conversational ones."""
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         repeated_prompts = [p for p in prompts for _ in range(num_generations)]
         if is_conversational({"prompt": prompts[0]}):
             completions = [[{"role": "assistant", "content": text}] for text in texts]
         else:
             completions = texts
-        entropy_sums = None
-        if recorder is not None:
-            per_step = torch.stack(recorder.steps, dim=1).double()  # (rows, generated steps)
-            entropy_sums = [float(per_step[row, : len(ids)].sum()) for row, ids in enumerate(completion_ids)]
         return Rollout(repeated_prompts, completions, completion_ids, truncated, entropy_sums)

