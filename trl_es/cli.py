@@ -15,6 +15,8 @@
     trl-es eval --model M [--model M2 ...] --task gsm8k --n 8 --k 1,4,8 [--limit 50] [--out-dir D]
                                          # Pass@K, Maj@K and token entropy per model: a table, results.json,
                                          # Pass@K-profile and Pareto plots; resumes an interrupted run
+    trl-es vllm-serve --model M [--host 127.0.0.1] [--port 8000] [vllm serve flags ...]
+                                         # vLLM's server with the ES worker extension, for vllm_mode="server"
 
 """
 
@@ -257,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, FileNotFoundError) as error:
             print(f"trl-es eval: {error}", file=sys.stderr)
             return 1
+        return 0
+    if command == "vllm-serve":
+        from .vllm_serve import main as serve
+
+        serve(rest)  # replaces this process with `vllm serve`
         return 0
     if command == "sparsity-sweep":
         from .sweep import main as sweep

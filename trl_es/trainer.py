@@ -214,6 +214,7 @@ class ESTrainer(_BaseTrainer):
         else:
             self.rollout = TransformersRollout(*rollout_args)
         self._vllm_started = False
+        self._resumed_from = None  # the checkpoint the weights came from, for a vLLM server to load them too
         self.es_params = select_parameters(self.model.named_parameters(), args.es_parameter_patterns)
         self._groups = self._member_groups = None
         self._lowrank_targets = None
@@ -323,6 +324,7 @@ class ESTrainer(_BaseTrainer):
         with self._full_parameters():
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             self._write_shards(self.model.parameters())
+        self._resumed_from, self._vllm_started = resume_from_checkpoint, False  # vLLM takes the loaded θ
         search_state = os.path.join(resume_from_checkpoint, "merge_search.pt")
         if self._merge is not None:
             if not os.path.isfile(search_state):
@@ -386,7 +388,7 @@ class ESTrainer(_BaseTrainer):
     def _start_vllm(self):
         """Give vLLM the trainer's θ and noise table (once, at the first step or evaluation)."""
         if self.args.use_vllm and not self._vllm_started:
-            self.rollout.start(list(self.es_params), self.args.seed, self.args.noise_table_size)
+            self.rollout.start(list(self.es_params), self.args.seed, self.args.noise_table_size, self._resumed_from)
             self._vllm_started = True
 
     def _prepare_es_state(self):

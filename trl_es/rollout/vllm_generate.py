@@ -78,14 +78,17 @@ class _Colocated:
         if accelerator.num_processes % tp:
             raise ValueError(f"vllm_tensor_parallel_size ({tp}) must divide the number of processes "
                              f"({accelerator.num_processes})")
-        # vLLM's external launcher joins the processes accelerate started (as TRL's colocate mode does).
+        # In this process (the ES worker extension's calls pass tensors by reference); vLLM's external launcher joins
+        # the processes accelerate started, as in TRL's colocate mode.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ["RANK"] = str(accelerator.process_index)
         os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)
         os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-        on_cpu = accelerator.device.type == "cpu"
-        enforce_eager = on_cpu if args.vllm_enforce_eager is None else args.vllm_enforce_eager
+        enforce_eager = args.vllm_enforce_eager
+        if enforce_eager is None:
+            enforce_eager = accelerator.device.type == "cpu"
         try:
             with _keep_random_state():  # vLLM seeds the global RNGs; the trainer's data order must not change
                 self.llm = LLM(
@@ -104,11 +107,11 @@ class _Colocated:
         except (torch.OutOfMemoryError, ValueError, RuntimeError) as error:
             message = str(error)
             if isinstance(error, torch.OutOfMemoryError) or "memory" in message.lower():
-                memory = ("VLLM_CPU_KVCACHE_SPACE (GiB of KV cache on CPU)" if on_cpu
-                          else f"vllm_gpu_memory_utilization (now {args.vllm_gpu_memory_utilization})")
                 raise RuntimeError(
-                    f"vLLM ran out of memory while starting: raise {memory}, or lower vllm_max_model_length (now "
-                    f"{args.vllm_max_model_length}, default: the model's context). vLLM said: {message}"
+                    "vLLM ran out of memory while starting: raise vllm_gpu_memory_utilization (now "
+                    f"{args.vllm_gpu_memory_utilization}; on CPU the KV cache is VLLM_CPU_KVCACHE_SPACE GiB instead), "
+                    f"or lower vllm_max_model_length (now {args.vllm_max_model_length}, default: the model's "
+                    f"context). vLLM said: {message}"
                 ) from error
             raise
 
@@ -199,11 +202,11 @@ class VLLMRollout(TransformersRollout):
         self.tokenizer.save_pretrained(path)
         return path
 
-    def start(self, names: list[str], seed: int, noise_table_size: int) -> None:
-        """Give vLLM θ (colocate: the trainer's tensors; server: its own files, checked bitwise against the trainer's
-        θ) and the run's noise table."""
+    def start(self, names: list[str], seed: int, noise_table_size: int, checkpoint: str | None = None) -> None:
+        """Give vLLM θ (colocate: the trainer's tensors; server: the files of `checkpoint` when resuming, else of the
+        served model, checked bitwise against the trainer's θ) and the run's noise table."""
         payload = {"seed": seed, "noise_table_size": noise_table_size,
-                   "dtype": str(self.dtype).removeprefix("torch."), "names": names}
+                   "dtype": str(self.dtype).removeprefix("torch."), "names": names, "path": checkpoint}
         params = dict(self.model.named_parameters())
         if isinstance(self.engine, _Server):
             results = self.engine.rpc("es_init", payload)
@@ -216,9 +219,8 @@ class VLLMRollout(TransformersRollout):
         if any(r["fingerprint"] != expected for r in results):
             served = getattr(self.engine, "model", None)
             raise ValueError(
-                f"the vLLM server at {self.engine.url} serves {served!r}, whose weights differ from the trainer's "
-                f"model ({self.model.name_or_path!r}): serve the same model, and restart the server after a run "
-                "that changed its weights (ES updates them in place) or before resuming from a checkpoint"
+                f"vLLM ({getattr(self.engine, 'url', 'in process')}) serves {served!r}, whose weights differ from "
+                f"the trainer's model ({self.model.name_or_path!r}): serve the trainer's starting model"
             )
 
     def _weights_changed(self, method: str, payload: dict) -> list:

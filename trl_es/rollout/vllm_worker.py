@@ -20,8 +20,10 @@ The trainer resets vLLM's prefix cache after each call that changes weights.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
+import os
 
 import torch
 
@@ -50,15 +52,23 @@ class ESWorkerExtension:
     """Methods that vLLM's worker gains. `es_init` first; then `es_perturb`, `es_restore`, `es_update`."""
 
     def es_init(self, payload: str | dict, weights: list[tuple[str, torch.Tensor]] | None = None) -> dict:
-        """Take θ and build the noise table. `payload`: {"seed", "noise_table_size", "dtype", "names"} — the run's seed
-        and table size (the trainer's), the dtype of the trainer's parameters and the names ES perturbs. θ comes from
-        `weights` (colocate: the trainer's own tensors) or from the served model's files through vLLM's loader.
-        Returns {"fingerprint"} of θ over `names`, or {"error"} when a name is not among the model's weights."""
+        """Take θ, write it into vLLM and build the noise table. `payload`: {"seed", "noise_table_size", "dtype",
+        "names", "path"} — the run's seed and table size (the trainer's), the dtype of the trainer's parameters, the
+        names ES perturbs, and optionally a directory of safetensors (a checkpoint to resume from). θ comes from
+        `weights` (colocate: the trainer's own tensors), else `path`, else the served model's files through vLLM's
+        loader. Returns {"fingerprint"} of θ over `names`, or {"error"} when a name is not among the weights."""
         args = _arguments(payload)
         model = self.model_runner.model
         device = next(model.parameters()).device
         self._es_repacked = device.type == "cpu"
-        if weights is None:
+        if weights is None and args.get("path"):
+            from safetensors.torch import load_file
+
+            files = sorted(glob.glob(os.path.join(args["path"], "*.safetensors")))
+            if not files:
+                return {"error": f"no *.safetensors weights in {args['path']}"}
+            weights = [item for file in files for item in load_file(file).items()]
+        elif weights is None:
             from vllm.model_executor.model_loader import get_model_loader
 
             loader = get_model_loader(self.vllm_config.load_config)
@@ -73,6 +83,7 @@ class ESWorkerExtension:
         self._es_snapshot = ParameterSnapshot(working, storage_device="cpu")
         self._es_snapshot.capture()
         self._es_table = NoiseTable(args["seed"], args["noise_table_size"], device)
+        self._es_push(set(working))  # vLLM may hold other weights (an earlier run's, on a server)
         self._es_changed: set[str] = set()  # names vLLM holds away from θ
         return {"fingerprint": weights_fingerprint(working, self._es_names)}
 
@@ -110,8 +121,8 @@ class ESWorkerExtension:
         return {"update_norm": norm, "fingerprint": weights_fingerprint(snapshot.params, self._es_names)}
 
     def es_fingerprint(self, payload: str | dict | None = None) -> dict:
-        """{"fingerprint"} of θ over the ES names."""
-        return {"fingerprint": weights_fingerprint(self._es_snapshot.copies, self._es_names)}
+        """{"fingerprint"} over the ES names of the weights vLLM holds now (θ, or the member's)."""
+        return {"fingerprint": weights_fingerprint(self._es_snapshot.params, self._es_names)}
 
     @torch.no_grad()
     def _es_push(self, names: set[str]) -> None:

