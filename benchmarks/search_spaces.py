@@ -70,6 +70,7 @@ def worker(spec: dict, out_dir: str) -> None:
         "step_seconds": clock.seconds,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "rewards": [log["reward"] for log in trainer.state.log_history if "reward" in log],
+        "last_step_log": [log for log in trainer.state.log_history if "reward" in log][-1],
     }
     Path(out_dir, "result.json").write_text(json.dumps(result))
 

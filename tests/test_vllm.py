@@ -36,6 +36,16 @@ def test_colocate_greedy_run_equals_transformers_run(colocate):
 
 
 @pytest.mark.slow
+def test_colocate_evaluation_equals_transformers_evaluation(colocate):
+    """evaluate() through vLLM: the same Pass@K and reward (token entropy is not available from vLLM)."""
+    hf_eval = dict(colocate["hf_eval"])
+    assert "eval_mean_token_entropy" in hf_eval and "eval_mean_token_entropy" not in colocate["vllm_eval"]
+    del hf_eval["eval_mean_token_entropy"]
+    assert colocate["vllm_eval"] == hf_eval
+    assert set(hf_eval) >= {"eval_pass@1", "eval_reward"}
+
+
+@pytest.mark.slow
 def test_colocate_member_weights_equal_transformers_perturbation(colocate):
     """For each member seed, the HF-named tensors vLLM loads are the HF path's θ + σ·ε bitwise; vLLM's own unpacked
     parameters (embedding, norms) equal them; its completions equal transformers' on them; restoring is exact."""

@@ -76,6 +76,10 @@ def colocate(out: Path) -> dict:
     hf, results["hf_rewards"], results["hf_seconds"] = run(out, model_dir, "hf")
     vl, results["vllm_rewards"], results["vllm_seconds"] = run(out, model_dir, "vllm", use_vllm=True)
     results["same_final_weights"] = fingerprint(hf.model) == fingerprint(vl.model)
+    eval_dataset = Dataset.from_dict({"prompt": PROMPTS[:4]})
+    results["hf_eval"], results["vllm_eval"] = (
+        {k: v for k, v in t.evaluate(eval_dataset).items() if k != "eval_runtime"} for t in (hf, vl)
+    )
 
     # save_model writes HF names, which transformers loads back to the trainer's weights
     vl.save_model(str(out / "saved"))
@@ -180,7 +184,7 @@ def oom(out: Path) -> dict:
     """A context longer than the KV cache can hold: vLLM refuses to start; the error names what to change."""
     from trl_es import ESTrainer
 
-    model_dir = build_tiny_model(out / "model", sys.argv[3], **{**VLLM_MODEL, "max_position_embeddings": 1 << 23})
+    model_dir = build_tiny_model(out / "model", sys.argv[3], **{**VLLM_MODEL, "max_position_embeddings": 1 << 22})
     try:
         ESTrainer(model_dir, reward_funcs=reward, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
                   args=es_config(out / "oom", use_vllm=True))

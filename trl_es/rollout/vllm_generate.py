@@ -53,6 +53,7 @@ def sampling_settings(generation_config: GenerationConfig, eos_token_ids: list[i
         "min_p": config.min_p or 0.0,
         "repetition_penalty": config.repetition_penalty or 1.0,
         "max_tokens": config.max_new_tokens,
+        "min_tokens": config.min_new_tokens or 0,
         "stop_token_ids": list(eos_token_ids),
         **extra,
     }
