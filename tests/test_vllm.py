@@ -81,11 +81,13 @@ def test_colocate_failing_reward_leaves_theta_in_vllm(colocate):
 @pytest.mark.slow
 def test_server_mode(tmp_path, tokenizer_dir):
     """`trl-es vllm-serve` + vllm_mode="server": the transformers path's run; a second run against the same server
-    starts from the served model again; a trainer on another model is refused with the reason."""
+    starts from the served model again; resuming from a checkpoint ends on the uninterrupted weights; a trainer on
+    another model is refused with the reason."""
     results = scenario("server", tmp_path, tokenizer_dir)
     assert results["server_rewards"] == results["hf_rewards"]
     assert results["same_final_weights"]
     assert results["second_run_rewards"] == results["hf_rewards"]
+    assert results["resumed_same_final_weights"]
     assert "weights differ from the trainer's model" in results["other_model_error"]
 
 

@@ -36,15 +36,16 @@ def fingerprint(model):
     return weights_fingerprint(params, list(params))
 
 
-def run(out, model_dir, name, reward_funcs=reward, **overrides):
-    """Train 2 greedy ES steps; return the trainer and its per-step population rewards."""
+def run(out, model_dir, name, reward_funcs=reward, resume=None, **overrides):
+    """Train 2 greedy ES steps (the rest after `resume`, a checkpoint); return the trainer, its per-step population
+    rewards and the seconds `train` took."""
     from trl_es import ESTrainer
 
     args = es_config(out / name, generation_kwargs={"do_sample": False}, per_device_train_batch_size=8, **overrides)
     trainer = ESTrainer(model_dir, reward_funcs=reward_funcs, args=args,
                         train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
     start = time.perf_counter()
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return trainer, rewards, time.perf_counter() - start
 
@@ -154,29 +155,34 @@ def server(out: Path) -> dict:
     model_dir = build_tiny_model(out / "model", sys.argv[3], **VLLM_MODEL)
     other_dir = build_tiny_model(out / "other", sys.argv[3], seed=1, **VLLM_MODEL)
     port = 8000 + os.getpid() % 1000
-    log = open(out / "server.log", "w")
     command = [sys.executable, "-m", "trl_es.cli", "vllm-serve", "--model", model_dir, "--port", str(port),
                "--dtype", "float32", "--enforce-eager", "--max-model-len", "128"]
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     results = {}
-    try:
-        server_args = dict(use_vllm=True, vllm_mode="server", vllm_server_port=port, vllm_server_host="127.0.0.1",
-                           vllm_server_timeout=300)
-        hf, results["hf_rewards"], _ = run(out, model_dir, "hf")
-        start = time.perf_counter()
-        first, results["server_rewards"], _ = run(out, model_dir, "server", **server_args)
-        results["server_start_and_run_seconds"] = time.perf_counter() - start
-        results["same_final_weights"] = fingerprint(hf.model) == fingerprint(first.model)
-        # a second run against the same server starts again from the served model's files
-        second, results["second_run_rewards"], _ = run(out, model_dir, "again", **server_args)
+    with open(out / "server.log", "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
-            run(out, other_dir, "other", **server_args)
-            results["other_model_error"] = None
-        except ValueError as error:
-            results["other_model_error"] = str(error)
-    finally:
-        process.terminate()
-        process.wait(60)
+            server_args = dict(use_vllm=True, vllm_mode="server", vllm_server_port=port,
+                               vllm_server_host="127.0.0.1", vllm_server_timeout=300)
+            hf, results["hf_rewards"], _ = run(out, model_dir, "hf")
+            start = time.perf_counter()
+            first, results["server_rewards"], _ = run(out, model_dir, "server", save_strategy="steps", save_steps=1,
+                                                      **server_args)
+            results["server_start_and_run_seconds"] = time.perf_counter() - start
+            results["same_final_weights"] = fingerprint(hf.model) == fingerprint(first.model)
+            # a second run against the same server starts again from the served model's files
+            _, results["second_run_rewards"], _ = run(out, model_dir, "again", **server_args)
+            # resuming: the server loads the checkpoint's weights; the run ends where the uninterrupted one did
+            checkpoint = str(out / "server" / "out" / "checkpoint-1")
+            resumed, _, _ = run(out, model_dir, "resumed", resume=checkpoint, **server_args)
+            results["resumed_same_final_weights"] = fingerprint(hf.model) == fingerprint(resumed.model)
+            try:
+                run(out, other_dir, "other", **server_args)
+                results["other_model_error"] = None
+            except ValueError as error:
+                results["other_model_error"] = str(error)
+        finally:
+            process.terminate()
+            process.wait(60)
     return results
 
 
