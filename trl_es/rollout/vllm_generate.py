@@ -190,9 +190,9 @@ class VLLMRollout(TransformersRollout):
         if args.vllm_mode == "server":
             self.engine = _Server(args)
         else:
-            self.engine = _Colocated(self._model_dir(args), args, accelerator, self.dtype)
+            self.engine = _Colocated(self._model_dir(), args, accelerator, self.dtype)
 
-    def _model_dir(self, args) -> str:
+    def _model_dir(self) -> str:
         """The directory vLLM loads (config, tokenizer; the weights are replaced by the trainer's at `start`): the
         model's own, or the in-memory model saved once under a temporary directory."""
         path = self.model.name_or_path

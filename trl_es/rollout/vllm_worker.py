@@ -44,20 +44,17 @@ def weights_fingerprint(weights: dict[str, torch.Tensor], names: list[str]) -> s
     return digest.hexdigest()
 
 
-def _arguments(payload: str | dict) -> dict:
-    return json.loads(payload) if isinstance(payload, str) else payload
-
-
 class ESWorkerExtension:
-    """Methods that vLLM's worker gains. `es_init` first; then `es_perturb`, `es_restore`, `es_update`."""
+    """Methods that vLLM's worker gains, each taking its arguments as one JSON string (what vLLM's HTTP
+    `/collective_rpc` passes). `es_init` first; then `es_perturb`, `es_restore`, `es_update`."""
 
-    def es_init(self, payload: str | dict, weights: list[tuple[str, torch.Tensor]] | None = None) -> dict:
+    def es_init(self, payload: str, weights: list[tuple[str, torch.Tensor]] | None = None) -> dict:
         """Take θ, write it into vLLM and build the noise table. `payload`: {"seed", "noise_table_size", "dtype",
         "names", "path"} — the run's seed and table size (the trainer's), the dtype of the trainer's parameters, the
         names ES perturbs, and optionally a directory of safetensors (a checkpoint to resume from). θ comes from
         `weights` (colocate: the trainer's own tensors), else `path`, else the served model's files through vLLM's
         loader. Returns {"fingerprint"} of θ over `names`, or {"error"} when a name is not among the weights."""
-        args = _arguments(payload)
+        args = json.loads(payload)
         model = self.model_runner.model
         device = next(model.parameters()).device
         self._es_repacked = device.type == "cpu"
@@ -87,9 +84,9 @@ class ESWorkerExtension:
         self._es_changed: set[str] = set()  # names vLLM holds away from θ
         return {"fingerprint": weights_fingerprint(working, self._es_names)}
 
-    def es_perturb(self, payload: str | dict) -> None:
+    def es_perturb(self, payload: str) -> None:
         """vLLM's weights ← θ + scale·ε(seed) over `names` (default: all ES names), θ elsewhere."""
-        args = _arguments(payload)
+        args = json.loads(payload)
         names = args.get("names") or self._es_names
         snapshot = self._es_snapshot
         snapshot.restore(self._es_changed - set(names))
@@ -97,18 +94,18 @@ class ESWorkerExtension:
         self._es_push(self._es_changed | set(names))
         self._es_changed = set(names)
 
-    def es_restore(self, payload: str | dict | None = None) -> None:
+    def es_restore(self, payload: str) -> None:
         """vLLM's weights ← θ."""
         if self._es_changed:
             self._es_snapshot.restore(self._es_changed)
             self._es_push(self._es_changed)
             self._es_changed = set()
 
-    def es_update(self, payload: str | dict) -> dict:
+    def es_update(self, payload: str) -> dict:
         """θ ← θ + Σ_s c_s ε(s) − decay·θ over `names` (default: all ES names), with `apply_update` (the trainer's
         function, so the same bits); vLLM then holds the new θ. `coefficients`: [[seed, c_s], ...].
-        Returns {"update_norm": ‖Δθ‖₂, "fingerprint"} for the trainer to check against its own update."""
-        args = _arguments(payload)
+        Returns {"update_norm": ‖Δθ‖₂} for the trainer to check against its own update."""
+        args = json.loads(payload)
         names = args.get("names") or self._es_names
         snapshot = self._es_snapshot
         snapshot.restore(self._es_changed)
@@ -118,9 +115,9 @@ class ESWorkerExtension:
             snapshot.copies[name].copy_(snapshot.params[name])
         self._es_push(self._es_changed | set(names))
         self._es_changed = set()
-        return {"update_norm": norm, "fingerprint": weights_fingerprint(snapshot.params, self._es_names)}
+        return {"update_norm": norm}
 
-    def es_fingerprint(self, payload: str | dict | None = None) -> dict:
+    def es_fingerprint(self, payload: str) -> dict:
         """{"fingerprint"} over the ES names of the weights vLLM holds now (θ, or the member's)."""
         return {"fingerprint": weights_fingerprint(self._es_snapshot.params, self._es_names)}
 
