@@ -1,0 +1,99 @@
+"""The bitwise regression guard: the final weights of short greedy ES runs, hashed, for every search space.
+
+    python tests/regression_guard.py MODELS_DIR OUT_DIR [--vllm] SCENARIO ...
+
+Runs each scenario on a tiny Llama (heads of 32 dimensions, so vLLM's CPU attention takes it too; MODELS_DIR made
+by `prepare`) and writes OUT_DIR/hashes-rank{r}.json: {scenario: sha256 of the final weights}. Launched with `accelerate launch` it runs
+with several processes; `--vllm` generates with a colocated vLLM engine. tests/test_regression_guard.py compares
+the hashes with those recorded in tests/data/regression_hashes.json before the trainer was restructured: a
+refactoring that changes any bit of any result fails there.
+"""
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+from conftest import build_tiny_model, es_config  # noqa: E402
+from datasets import Dataset  # noqa: E402
+
+MODEL = dict(hidden_size=64, intermediate_size=128, initializer_range=0.3, max_position_embeddings=128)
+PROMPTS = [f"Count to {n}:" for n in range(1, 9)]
+SCENARIOS = {
+    "full": {},
+    "full_variants": {"antithetic": True, "es_baseline": "center", "fitness_shaping": "centered_rank",
+                      "weight_decay": 0.1, "es_parameter_patterns": [r"layers\.0\.", "norm"]},
+    "copes": {"es_search_space": "copes", "copes_groups": 2},
+    "lowrank": {"es_search_space": "lowrank", "lowrank_rank": 2, "population_size": 6},
+    "merge": {"es_search_space": "merge", "population_size": 5},
+    "resume": {},
+}
+VLLM_SCENARIOS = ("full", "copes")
+
+
+def reward(completions, **kwargs):
+    """Length plus a bonus for a digit 1: enough spread between members of a random tiny model."""
+    return [len(c) / 10 + ("1" in c) for c in completions]
+
+
+def weights_sha256(model) -> str:
+    digest = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        digest.update(name.encode())
+        digest.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def prepare(models: Path, tokenizer_dir: str) -> None:
+    """The tiny model (`models/model`) and, for Hyper-ES, two 'fine-tuned' versions of it: seeded drifts."""
+    from transformers import AutoModelForCausalLM
+
+    build_tiny_model(models / "model", tokenizer_dir, **MODEL)
+    for k in range(2):
+        model = AutoModelForCausalLM.from_pretrained(models / "model")
+        generator = torch.Generator().manual_seed(k)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=generator), alpha=0.05)
+        model.save_pretrained(models / f"tuned-{k}")
+
+
+def run(scenario: str, models: Path, out: Path, **extra) -> str:
+    """Train the scenario's 2 greedy steps (resume: stop after step 1, resume from checkpoint-1); the weights' hash."""
+    from trl_es import ESTrainer
+
+    model_dir = str(models / "model")
+    overrides = {**SCENARIOS[scenario], **extra}
+    if scenario == "merge":
+        overrides["merge_models"] = [str(models / f"tuned-{k}") for k in range(2)]
+    folder = out / scenario
+    settings = dict(generation_kwargs={"do_sample": False}, per_device_train_batch_size=8, use_cpu=True, **overrides)
+    dataset = Dataset.from_dict({"prompt": PROMPTS})
+    resume = None
+    if scenario == "resume":
+        first = ESTrainer(model_dir, reward, args=es_config(folder, save_strategy="steps", save_steps=1, max_steps=1,
+                                                            **settings), train_dataset=dataset)
+        first.train()
+        resume = str(folder / "out" / "checkpoint-1")
+    trainer = ESTrainer(model_dir, reward, args=es_config(folder, **settings), train_dataset=dataset)
+    trainer.train(resume_from_checkpoint=resume)
+    return weights_sha256(trainer.model)
+
+
+def main():
+    models, out = Path(sys.argv[1]), Path(sys.argv[2])
+    vllm = "--vllm" in sys.argv[3:]
+    scenarios = [s for s in sys.argv[3:] if s != "--vllm"]
+    extra = {"use_vllm": True} if vllm else {}
+    hashes = {scenario: run(scenario, models, out, **extra) for scenario in scenarios}
+    (out / f"hashes-rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(hashes, indent=1))
+
+
+if __name__ == "__main__":
+    main()
