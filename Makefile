@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-$(STAMP): setup.py
+$(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU build of torch (an unpinned torch would pull a multi-GB CUDA build)
@@ -32,4 +32,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/step_memory_time.py
 	$(PY) benchmarks/processes_step.py
 
-.PHONY: install demo test test-fast bench
+.PHONY: install demo test test-fast bench lint
+
+lint: $(STAMP)
+	$(PY) -m pip install -q "ruff==0.17.6"
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
