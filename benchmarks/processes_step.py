@@ -36,8 +36,10 @@ def count_collective_bytes(counter: dict) -> None:
     import torch.distributed as dist
 
     sent_tensor = {  # collective: (position, keyword) of the tensor this process contributes
-        "all_reduce": (0, "tensor"), "broadcast": (0, "tensor"),
-        "all_gather": (1, "tensor"), "all_gather_into_tensor": (1, "input_tensor"),
+        "all_reduce": (0, "tensor"),
+        "broadcast": (0, "tensor"),
+        "all_gather": (1, "tensor"),
+        "all_gather_into_tensor": (1, "input_tensor"),
     }
     for name, (position, keyword) in sent_tensor.items():
         original = getattr(dist, name)
@@ -70,9 +72,17 @@ def worker(options, out_dir: str) -> None:
             self.seconds, self.bytes = time.perf_counter() - self.start, counter["bytes"] - self.bytes_at_start
 
     args = ESConfig(
-        output_dir=out_dir, population_size=options.population, per_device_train_batch_size=options.prompts,
-        max_completion_length=options.tokens, generation_kwargs={"min_new_tokens": options.tokens},
-        max_steps=options.steps, sigma=1e-3, seed=0, save_strategy="no", report_to="none", disable_tqdm=True,
+        output_dir=out_dir,
+        population_size=options.population,
+        per_device_train_batch_size=options.prompts,
+        max_completion_length=options.tokens,
+        generation_kwargs={"min_new_tokens": options.tokens},
+        max_steps=options.steps,
+        sigma=1e-3,
+        seed=0,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
         use_cpu=True,
     )
     clock = StepClock()
@@ -80,7 +90,8 @@ def worker(options, out_dir: str) -> None:
     trainer.train()
     rank = trainer.accelerator.process_index
     result = {
-        "step_seconds": clock.seconds, "step_bytes": clock.bytes,
+        "step_seconds": clock.seconds,
+        "step_bytes": clock.bytes,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "threads": torch.get_num_threads(),
         # ES allocates no gradients and no optimizer state, under DeepSpeed either
@@ -106,8 +117,19 @@ def run(num_processes: int, options, out_dir: str, threads: int | None = None, z
         if zero3:
             backend = ["--config_file", str(ROOT / "examples" / "accelerate" / "deepspeed_zero3.yaml")]
             env |= {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": str(ROOT / "build" / "torch_extensions")}
-        command = [sys.executable, "-m", "accelerate.commands.launch", *backend, "--num_processes",
-                   str(num_processes), "--num_machines", "1", "--main_process_port", str(port), *script]
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            *backend,
+            "--num_processes",
+            str(num_processes),
+            "--num_machines",
+            "1",
+            "--main_process_port",
+            str(port),
+            *script,
+        ]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=env)
     return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(num_processes)]
 
@@ -137,11 +159,17 @@ def main():
             for name in reference
         )
     n = options.population
-    print(f"ES step on SmolLM2-135M fp32, CPU: N={n}, {options.prompts} prompts × {options.tokens} tokens, "
-          f"last of {options.steps} steps")
+    print(
+        f"ES step on SmolLM2-135M fp32, CPU: N={n}, {options.prompts} prompts × {options.tokens} tokens, "
+        f"last of {options.steps} steps"
+    )
     print(f"{'':24} {'s/step':>8} {'bytes sent/step/process':>24} {'peak RSS MB/process':>20} {'threads':>8}")
-    rows = (("1 process", single), ("1 process, 1 thread", single_thread), ("2 processes (gloo)", pair),
-            ("2 processes, ZeRO-3", zero3))
+    rows = (
+        ("1 process", single),
+        ("1 process, 1 thread", single_thread),
+        ("2 processes (gloo)", pair),
+        ("2 processes, ZeRO-3", zero3),
+    )
     for label, results in rows:
         seconds = max(r["step_seconds"] for r in results)
         sent = max(r["step_bytes"] for r in results)
@@ -151,14 +179,20 @@ def main():
     print(f"2 processes / 1 process wall time: {ratio:.2f} (target ≤ 0.60)")
     per_thread = max(r["step_seconds"] for r in pair) / single_thread[0]["step_seconds"]
     thread_speedup = single_thread[0]["step_seconds"] / single[0]["step_seconds"]
-    print(f"2 processes / 1 process at one thread per process: {per_thread:.2f} (ideal 0.50); the ratio above is "
-          f"this times the speed-up torch gets from a second thread in one process ({thread_speedup:.2f})")
-    print(f"bytes per step: {max(r['step_bytes'] for r in pair)} = 8 × (slots × summary width + processes); "
-          f"N = {n} members: O(N) scalars, never weights")
+    print(
+        f"2 processes / 1 process at one thread per process: {per_thread:.2f} (ideal 0.50); the ratio above is "
+        f"this times the speed-up torch gets from a second thread in one process ({thread_speedup:.2f})"
+    )
+    print(
+        f"bytes per step: {max(r['step_bytes'] for r in pair)} = 8 × (slots × summary width + processes); "
+        f"N = {n} members: O(N) scalars, never weights"
+    )
     print("ZeRO-3 bytes include the all-gather of θ for generation, once per step, as in GRPO")
     allocated = {k: max(r[k] for r in single + pair + zero3) for k in ("gradients", "optimizer_state")}
-    print(f"gradients allocated: {allocated['gradients']}, optimizer state entries: {allocated['optimizer_state']}, "
-          f"DeepSpeed engine optimizer under ZeRO-3: {zero3[0]['engine_optimizer']} (partitions parameters only)")
+    print(
+        f"gradients allocated: {allocated['gradients']}, optimizer state entries: {allocated['optimizer_state']}, "
+        f"DeepSpeed engine optimizer under ZeRO-3: {zero3[0]['engine_optimizer']} (partitions parameters only)"
+    )
     print(f"final weights bitwise equal (1 process; 2 processes; 1 process at 1 thread): {same}")
 
 

@@ -58,12 +58,20 @@ def worker(spec: dict, out_dir: str) -> None:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
-    args = ESConfig(output_dir=out_dir, per_device_train_batch_size=spec["prompts"], seed=0, save_strategy="no",
-                    report_to="none", disable_tqdm=True, **settings)
+    args = ESConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=spec["prompts"],
+        seed=0,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        **settings,
+    )
     reward = first_integer_reward if spec["kind"] == "curve" else length_reward
     clock = StepClock()
-    trainer = ESTrainer(smollm2_dir(), reward, args=args, train_dataset=small_sums("train"), callbacks=[clock],
-                        peft_config=peft_config)
+    trainer = ESTrainer(
+        smollm2_dir(), reward, args=args, train_dataset=small_sums("train"), callbacks=[clock], peft_config=peft_config
+    )
     trainer.train()
     trainer.save_model()
     result = {
@@ -84,20 +92,31 @@ def run(spec: dict, out_dir: str) -> dict:
 def throughput(options, scratch: str) -> None:
     """Full-rank vs low-rank batched: seconds per step, members per minute, peak RSS."""
     n = options.population
-    timing = {"population_size": n, "max_completion_length": options.tokens, "max_steps": 2, "sigma": 1e-3,
-              "generation_kwargs": {"min_new_tokens": options.tokens}}
+    timing = {
+        "population_size": n,
+        "max_completion_length": options.tokens,
+        "max_steps": 2,
+        "sigma": 1e-3,
+        "generation_kwargs": {"min_new_tokens": options.tokens},
+    }
     spaces = {"full-rank (default)": {}, "low-rank batched (r=1)": {"es_search_space": "lowrank"}}
     results = {
-        label: run({"kind": "timing", "prompts": options.prompts, "settings": {**timing, **extra}},
-                   os.path.join(scratch, f"timing-{k}"))
+        label: run(
+            {"kind": "timing", "prompts": options.prompts, "settings": {**timing, **extra}},
+            os.path.join(scratch, f"timing-{k}"),
+        )
         for k, (label, extra) in enumerate(spaces.items())
     }
-    print(f"ES step on SmolLM2-135M fp32, CPU: N={n} members, {options.prompts} prompts × {options.tokens} tokens "
-          "each, last of 2 steps")
+    print(
+        f"ES step on SmolLM2-135M fp32, CPU: N={n} members, {options.prompts} prompts × {options.tokens} tokens "
+        "each, last of 2 steps"
+    )
     print(f"{'':26} {'s/step':>8} {'members/min':>12} {'peak RSS MB':>12}")
     for label, result in results.items():
-        print(f"{label:26} {result['step_seconds']:8.1f} {60 * n / result['step_seconds']:12.1f} "
-              f"{result['peak_rss'] / 2**20:12.0f}")
+        print(
+            f"{label:26} {result['step_seconds']:8.1f} {60 * n / result['step_seconds']:12.1f} "
+            f"{result['peak_rss'] / 2**20:12.0f}"
+        )
     full, low = (results[label]["step_seconds"] for label in spaces)
     print(f"low-rank batched / full-rank members per minute: {full / low:.2f}× (target ≥ 3×)")
 
@@ -128,15 +147,23 @@ def main():
         saved[label] = os.path.join(scratch, f"curve-{k}")
         settings = {**DEMO, "population_size": 8, "max_steps": options.curve_steps, **extra}
         print_curve(label, run({"kind": "curve", "prompts": 8, "settings": settings}, saved[label]))
-    merge = {**DEMO, "population_size": 8, "max_steps": options.curve_steps, "es_search_space": "merge",
-             "merge_models": [saved["full"], saved["copes (4 layer groups)"]]}
-    print_curve("hyper-es (merge full + copes)",
-                run({"kind": "curve", "prompts": 8, "settings": merge}, os.path.join(scratch, "curve-merge")))
+    merge = {
+        **DEMO,
+        "population_size": 8,
+        "max_steps": options.curve_steps,
+        "es_search_space": "merge",
+        "merge_models": [saved["full"], saved["copes (4 layer groups)"]],
+    }
+    print_curve(
+        "hyper-es (merge full + copes)",
+        run({"kind": "curve", "prompts": 8, "settings": merge}, os.path.join(scratch, "curve-merge")),
+    )
 
 
 def print_curve(label: str, result: dict) -> None:
     rewards = " ".join(f"{r:.2f}" for r in result["rewards"])
     print(f"{label:32} {rewards}   ({result['step_seconds']:.0f} s/step)", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -61,7 +61,9 @@ def run_generate(options):
     model_dir = smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    texts = tokenizer.apply_chat_template(list(prompts(options.prompts)["prompt"]), add_generation_prompt=True, tokenize=False)
+    texts = tokenizer.apply_chat_template(
+        list(prompts(options.prompts)["prompt"]), add_generation_prompt=True, tokenize=False
+    )
     batch = tokenizer([t for t in texts for _ in range(options.generations)], return_tensors="pt", padding=True)
     with PeakRSS() as rss, torch.no_grad():
         start = time.perf_counter()
@@ -75,10 +77,18 @@ def run_es(options):
     from trl_es.models import smollm2_dir
 
     args = ESConfig(
-        output_dir="/tmp/bench-es", population_size=options.population, per_device_train_batch_size=options.prompts,
-        num_generations=options.generations, max_completion_length=options.tokens, max_steps=1,
-        generation_kwargs={"min_new_tokens": options.tokens}, sigma=1e-3, save_strategy="no", report_to="none",
-        disable_tqdm=True, common_generation_seed=False,  # members sample differently, so rewards spread
+        output_dir="/tmp/bench-es",
+        population_size=options.population,
+        per_device_train_batch_size=options.prompts,
+        num_generations=options.generations,
+        max_completion_length=options.tokens,
+        max_steps=1,
+        generation_kwargs={"min_new_tokens": options.tokens},
+        sigma=1e-3,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        common_generation_seed=False,  # members sample differently, so rewards spread
     )
     trainer = ESTrainer(smollm2_dir(), reward, args=args, train_dataset=prompts(options.prompts))
     with PeakRSS() as rss:
@@ -113,12 +123,20 @@ def run_grpo(options):
             step_times.append(time.perf_counter() - self.start)
 
     args = GRPOConfig(
-        output_dir="/tmp/bench-grpo", per_device_train_batch_size=options.prompts * options.generations,
-        num_generations=options.generations, max_completion_length=options.tokens, max_steps=2, bf16=False,
-        generation_kwargs={"min_new_tokens": options.tokens}, save_strategy="no", report_to="none", disable_tqdm=True,
+        output_dir="/tmp/bench-grpo",
+        per_device_train_batch_size=options.prompts * options.generations,
+        num_generations=options.generations,
+        max_completion_length=options.tokens,
+        max_steps=2,
+        bf16=False,
+        generation_kwargs={"min_new_tokens": options.tokens},
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
     )
-    trainer = GRPOTrainer(smollm2_dir(), reward, args=args, train_dataset=prompts(options.prompts),
-                          callbacks=[StepTimer()])
+    trainer = GRPOTrainer(
+        smollm2_dir(), reward, args=args, train_dataset=prompts(options.prompts), callbacks=[StepTimer()]
+    )
     with PeakRSS() as rss:
         trainer.train()
     return {"seconds": step_times[-1], "peak": rss.peak, "base": rss.base}
@@ -148,8 +166,10 @@ def main():
 
     mb = 2**20
     weights_mb = 134_515_008 * 4 / mb
-    print(f"SmolLM2-135M fp32, CPU ({os.cpu_count()} cores): {options.prompts} prompts x {options.generations} "
-          f"completions x {options.tokens} new tokens; ES population {options.population}\n")
+    print(
+        f"SmolLM2-135M fp32, CPU ({os.cpu_count()} cores): {options.prompts} prompts x {options.generations} "
+        f"completions x {options.tokens} new tokens; ES population {options.population}\n"
+    )
     print(f"{'':28s}{'s/step':>10s}{'peak RSS MB':>14s}{'above base MB':>15s}")
     for name, key in (("plain generate (1 batch)", "generate"), ("ES step", "es"), ("GRPOTrainer step", "grpo")):
         r = results[key]
@@ -157,14 +177,18 @@ def main():
     es, grpo, gen = results["es"], results["grpo"], results["generate"]
     print(f"\nES peak / GRPO peak: {es['peak'] / grpo['peak']:.2f}  (target <= 0.60)")
     budget = gen["peak"] + weights_mb * mb
-    print(f"ES peak / (generate peak + one fp32 copy of the weights, {weights_mb:.0f} MB): {es['peak'] / budget:.2f}"
-          "  (target <= 1.10)")
+    print(
+        f"ES peak / (generate peak + one fp32 copy of the weights, {weights_mb:.0f} MB): {es['peak'] / budget:.2f}"
+        "  (target <= 1.10)"
+    )
     total = sum(es["split"].values())
     print("\nES step split (s, share of the measured parts):")
     for part, seconds in es["split"].items():
         print(f"  {part:26s}{seconds:8.2f}  {seconds / total:6.1%}")
-    print(f"  everything but generation: {1 - es['split']['generate'] / total:.1%} of the measured parts, "
-          f"{1 - es['split']['generate'] / es['seconds']:.1%} of the step's wall time (target <= 5%)")
+    print(
+        f"  everything but generation: {1 - es['split']['generate'] / total:.1%} of the measured parts, "
+        f"{1 - es['split']['generate'] / es['seconds']:.1%} of the step's wall time (target <= 5%)"
+    )
 
 
 if __name__ == "__main__":

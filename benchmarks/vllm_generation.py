@@ -28,22 +28,35 @@ def main():
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache for vLLM on CPU
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     n, scratch = options.population, tempfile.mkdtemp()
-    step = {"population_size": n, "num_generations": options.generations, "max_completion_length": options.tokens,
-            "max_steps": 2, "sigma": 1e-3, "generation_kwargs": {"min_new_tokens": options.tokens}}
+    step = {
+        "population_size": n,
+        "num_generations": options.generations,
+        "max_completion_length": options.tokens,
+        "max_steps": 2,
+        "sigma": 1e-3,
+        "generation_kwargs": {"min_new_tokens": options.tokens},
+    }
     backends = {"transformers generate": {}, "vLLM colocate": {"use_vllm": True, "vllm_max_model_length": 512}}
     results = {
-        label: run({"kind": "timing", "prompts": options.prompts, "settings": {**step, **extra}},
-                   os.path.join(scratch, f"backend-{k}"))
+        label: run(
+            {"kind": "timing", "prompts": options.prompts, "settings": {**step, **extra}},
+            os.path.join(scratch, f"backend-{k}"),
+        )
         for k, (label, extra) in enumerate(backends.items())
     }
-    print(f"ES step on SmolLM2-135M fp32, CPU: N={n} members, {options.prompts} prompts × {options.generations} "
-          f"completion(s) × {options.tokens} tokens, last of 2 steps")
-    print(f"{'':22} {'s/step':>7} {'members/min':>12} {'generate s/member':>18} {'build s/step':>13} "
-          f"{'peak RSS MB':>12}")
+    print(
+        f"ES step on SmolLM2-135M fp32, CPU: N={n} members, {options.prompts} prompts × {options.generations} "
+        f"completion(s) × {options.tokens} tokens, last of 2 steps"
+    )
+    print(
+        f"{'':22} {'s/step':>7} {'members/min':>12} {'generate s/member':>18} {'build s/step':>13} {'peak RSS MB':>12}"
+    )
     for label, result in results.items():
         log = result["last_step_log"]
-        print(f"{label:22} {result['step_seconds']:7.1f} {60 * n / result['step_seconds']:12.1f} "
-              f"{log['es/time/generate']:18.2f} {log['es/time/noise']:13.2f} {result['peak_rss'] / 2**20:12.0f}")
+        print(
+            f"{label:22} {result['step_seconds']:7.1f} {60 * n / result['step_seconds']:12.1f} "
+            f"{log['es/time/generate']:18.2f} {log['es/time/noise']:13.2f} {result['peak_rss'] / 2**20:12.0f}"
+        )
     hf, vllm = (results[label]["step_seconds"] for label in backends)
     print(f"vLLM / transformers members per minute: {hf / vllm:.2f}×")
 

@@ -19,8 +19,15 @@ def run_grpo(model: str, output_dir: str, steps: int, dataset, reward) -> str:
     from trl import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(
-        output_dir=output_dir, max_steps=steps, per_device_train_batch_size=4, num_generations=4,
-        max_completion_length=12, learning_rate=1e-5, logging_steps=1, save_strategy="no", report_to="none",
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=12,
+        learning_rate=1e-5,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
         bf16=False,  # float32 like the ES stage (and CPUs); GRPOConfig's default is bf16
     )
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset)
@@ -33,9 +40,16 @@ def run_es(model: str, output_dir: str, steps: int, dataset, reward) -> str:
     from trl_es import ESConfig, ESTrainer
 
     args = ESConfig(
-        output_dir=output_dir, max_steps=steps, population_size=8, sigma=3e-3, learning_rate=2e-3,
-        per_device_train_batch_size=8, max_completion_length=12, generation_kwargs={"do_sample": False},
-        save_strategy="no", report_to="none",
+        output_dir=output_dir,
+        max_steps=steps,
+        population_size=8,
+        sigma=3e-3,
+        learning_rate=2e-3,
+        per_device_train_batch_size=8,
+        max_completion_length=12,
+        generation_kwargs={"do_sample": False},
+        save_strategy="no",
+        report_to="none",
     )
     trainer = ESTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset)
     trainer.train()

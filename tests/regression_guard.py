@@ -27,8 +27,13 @@ MODEL = dict(hidden_size=64, intermediate_size=128, initializer_range=0.3, max_p
 PROMPTS = [f"Count to {n}:" for n in range(1, 9)]
 SCENARIOS = {
     "full": {},
-    "full_variants": {"antithetic": True, "es_baseline": "center", "fitness_shaping": "centered_rank",
-                      "weight_decay": 0.1, "es_parameter_patterns": [r"layers\.0\.", "norm"]},
+    "full_variants": {
+        "antithetic": True,
+        "es_baseline": "center",
+        "fitness_shaping": "centered_rank",
+        "weight_decay": 0.1,
+        "es_parameter_patterns": [r"layers\.0\.", "norm"],
+    },
     "copes": {"es_search_space": "copes", "copes_groups": 2},
     "lowrank": {"es_search_space": "lowrank", "lowrank_rank": 2, "population_size": 6},
     "merge": {"es_search_space": "merge", "population_size": 5},
@@ -77,8 +82,12 @@ def run(scenario: str, models: Path, out: Path, **extra) -> str:
     dataset = Dataset.from_dict({"prompt": PROMPTS})
     resume = None
     if scenario == "resume":
-        first = ESTrainer(model_dir, reward, args=es_config(folder, save_strategy="steps", save_steps=1, max_steps=1,
-                                                            **settings), train_dataset=dataset)
+        first = ESTrainer(
+            model_dir,
+            reward,
+            args=es_config(folder, save_strategy="steps", save_steps=1, max_steps=1, **settings),
+            train_dataset=dataset,
+        )
         first.train()
         resume = str(folder / "out" / "checkpoint-1")
     trainer = ESTrainer(model_dir, reward, args=es_config(folder, **settings), train_dataset=dataset)

@@ -33,8 +33,10 @@ def test_reward_rules_by_hand():
     assert countdown_reward(["no answer at all"], numbers, target) == [0.0]
 
 
-@pytest.mark.parametrize("hostile", ["__import__('os').system('true')", "(1).__class__", "2 ** 99999999", "1 / 0",
-                                     "9" + "*9" * 5000, "lambda: 1"])
+@pytest.mark.parametrize(
+    "hostile",
+    ["__import__('os').system('true')", "(1).__class__", "2 ** 99999999", "1 / 0", "9" + "*9" * 5000, "lambda: 1"],
+)
 def test_expressions_are_evaluated_without_eval(hostile):
     # anything but numbers, + - * / and parentheses is refused, and errors become a wrong answer, not a crash
     try:

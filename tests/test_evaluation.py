@@ -33,8 +33,15 @@ def test_pareto_front():
 
 def test_evaluate_writes_results_tables_plots_and_resumes(tiny_model_dir, tmp_path):
     out = str(tmp_path / "eval")
-    settings = {"n": 4, "k": [1, 2, 4], "out_dir": out, "limit": 5, "max_completion_length": 6, "batch_size": 2,
-                "progress": lambda message: None}
+    settings = {
+        "n": 4,
+        "k": [1, 2, 4],
+        "out_dir": out,
+        "limit": 5,
+        "max_completion_length": 6,
+        "batch_size": 2,
+        "progress": lambda message: None,
+    }
     results = evaluate([tiny_model_dir, tiny_model_dir], "small_sums", **settings)
     assert set(results["models"]) == {"model", "model'"}  # same basename twice: both kept
     scores = results["models"]["model"]
@@ -82,8 +89,23 @@ def test_bad_input_fails_before_any_model_is_loaded(tmp_path):
 
 def test_cli_eval(tiny_model_dir, tmp_path, capsys):
     out = str(tmp_path / "cli")
-    argv = ["eval", "--model", tiny_model_dir, "--task", "gsm8k", "--n", "2", "--k", "1,2", "--limit", "2",
-            "--max-completion-length", "4", "--out-dir", out]
+    argv = [
+        "eval",
+        "--model",
+        tiny_model_dir,
+        "--task",
+        "gsm8k",
+        "--n",
+        "2",
+        "--k",
+        "1,2",
+        "--limit",
+        "2",
+        "--max-completion-length",
+        "4",
+        "--out-dir",
+        out,
+    ]
     assert cli(argv) == 0
     printed = capsys.readouterr().out
     assert "gsm8k Pass@2" in printed and "gsm8k Maj@2" in printed and "mean token entropy" in printed

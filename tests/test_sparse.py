@@ -188,8 +188,20 @@ def test_sparsity_sweep_scores_thresholded_models_and_plots(tmp_path, tiny_model
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 2e-3)
     model.save_pretrained(tuned_dir)
     out = tmp_path / "sweep"
-    rows = sweep(["--base", tiny_model_dir, "--tuned", str(tuned_dir), "--taus", "1e-3,4e-3", "--top", "0.01",
-                  "--out-dir", str(out)])
+    rows = sweep(
+        [
+            "--base",
+            tiny_model_dir,
+            "--tuned",
+            str(tuned_dir),
+            "--taus",
+            "1e-3,4e-3",
+            "--top",
+            "0.01",
+            "--out-dir",
+            str(out),
+        ]
+    )
     assert [row["model"] for row in rows] == ["base", "tuned", "tau=0.001", "tau=0.004", "top_fraction=0.01"]
     kept = {row["model"]: row["kept"] for row in rows}
     assert 1 > kept["tau=0.001"] > kept["tau=0.004"] > 0 and kept["top_fraction=0.01"] == pytest.approx(0.01, rel=0.01)

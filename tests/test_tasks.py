@@ -51,8 +51,14 @@ def test_math500_loader_and_math_verify_equivalence():
     rows = math500()
     assert len(rows) == 8 and "\\boxed{}" in rows[0]["prompt"][0]["content"]
     assert rows[3]["answer"] == "9"  # "How many positive whole-number divisors does 196 have?"
-    completions = ["so \\boxed{\\frac{1}{2}}", "the answer is \\boxed{0.5}", "\\boxed{2/4}", "\\boxed{0.6}",
-                   "\\boxed{", "}}{{ garbage \\frac"]
+    completions = [
+        "so \\boxed{\\frac{1}{2}}",
+        "the answer is \\boxed{0.5}",
+        "\\boxed{2/4}",
+        "\\boxed{0.6}",
+        "\\boxed{",
+        "}}{{ garbage \\frac",
+    ]
     assert math_reward(completions, ["\\frac12"] * 6) == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
     with pytest.raises(ValueError, match="only the 'test' split"):
         math500("train")
@@ -64,13 +70,24 @@ def test_commonsenseqa_loader_reward_and_hub_layout(tmp_path):
     text = rows[0]["prompt"][0]["content"]
     assert "A. bank" in text and "E. new york" in text and text.endswith('"Answer: X".')
     assert choice_reward(["Answer: A", "The answer is B.", "A", "(A)", "Answer: Bank", "I think a"], ["A"] * 6) == [
-        1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+        1.0,
+        0.0,
+        1.0,
+        1.0,
+        0.0,
+        0.0,
+    ]
     assert choice_answer("Answer: C ... Answer: D") == "D"
     # the hub's layout (question string, choices {label, text}) through load_dataset on a directory, as for a hub id
     folder = tmp_path / "csqa"
     folder.mkdir()
-    row = {"id": "x", "question": "Where do fish live?", "question_concept": "fish", "answerKey": "B",
-           "choices": {"label": ["A", "B"], "text": ["tree", "water"]}}
+    row = {
+        "id": "x",
+        "question": "Where do fish live?",
+        "question_concept": "fish",
+        "answerKey": "B",
+        "choices": {"label": ["A", "B"], "text": ["tree", "water"]},
+    }
     (folder / "validation.jsonl").write_text(json.dumps(row) + "\n")
     hub_like = commonsenseqa("validation", source=str(folder), conversational=False)
     assert hub_like[0]["answer"] == "B" and "B. water" in hub_like[0]["prompt"]
@@ -101,8 +118,13 @@ def test_every_task_rewards_its_reference_answers_and_only_them():
         "countdown": lambda row: f"...</think>\n<answer>{row['solution']}</answer>",
         "small_sums": lambda row: row["answer"],
     }
-    wrong = {"gsm8k": "#### -1", "math500": "\\boxed{-12345}", "commonsenseqa": "Answer: Z",
-             "countdown": "</think>\n<answer>1 + 1</answer>", "small_sums": "-1"}
+    wrong = {
+        "gsm8k": "#### -1",
+        "math500": "\\boxed{-12345}",
+        "commonsenseqa": "Answer: Z",
+        "countdown": "</think>\n<answer>1 + 1</answer>",
+        "small_sums": "-1",
+    }
     for name, reference in references.items():
         task = get_task(name)
         rows = task.load(task.eval_split).select(range(6))

@@ -60,7 +60,10 @@ def test_same_seed_gives_bitwise_same_weights_and_logs(tmp_path, tiny_model_dir,
     results = []
     for run in range(2):
         trainer = ESTrainer(
-            tiny_model_dir, even_token_share, args=config(tmp_path / str(run), max_steps=3), train_dataset=prompt_dataset
+            tiny_model_dir,
+            even_token_share,
+            args=config(tmp_path / str(run), max_steps=3),
+            train_dataset=prompt_dataset,
         )
         trainer.train()
         rewards = [log["es/population_reward_max"] for log in trainer.state.log_history if "reward" in log]
@@ -78,7 +81,9 @@ def assert_same_weights_dicts(a, b):
 
 
 def test_resume_from_checkpoint_gives_the_uninterrupted_weights(tmp_path, tiny_model_dir, prompt_dataset):
-    full = ESTrainer(tiny_model_dir, even_token_share, args=config(tmp_path / "full", max_steps=4), train_dataset=prompt_dataset)
+    full = ESTrainer(
+        tiny_model_dir, even_token_share, args=config(tmp_path / "full", max_steps=4), train_dataset=prompt_dataset
+    )
     full.train()
 
     first = ESTrainer(
@@ -145,7 +150,9 @@ def test_failing_generation_restores_half_precision_weights(tmp_path, tiny_model
 def test_half_precision_training_moves_weights(tmp_path, tiny_model_dir, prompt_dataset):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
     before = weights(model)
-    trainer = ESTrainer(model, even_token_share, args=config(tmp_path, sigma=0.05, learning_rate=0.05), train_dataset=prompt_dataset)
+    trainer = ESTrainer(
+        model, even_token_share, args=config(tmp_path, sigma=0.05, learning_rate=0.05), train_dataset=prompt_dataset
+    )
     trainer.train()
     after = weights(trainer.model)
     assert all(t.dtype == torch.bfloat16 for t in after.values())
@@ -163,7 +170,9 @@ def test_half_precision_training_moves_weights(tmp_path, tiny_model_dir, prompt_
     ],
     ids=["wrong-length", "non-number", "not-a-list", "infinite"],
 )
-def test_bad_reward_output_is_a_clear_error_and_weights_stay(tmp_path, tiny_model_dir, prompt_dataset, reward, message):
+def test_bad_reward_output_is_a_clear_error_and_weights_stay(
+    tmp_path, tiny_model_dir, prompt_dataset, reward, message
+):
     reward.__name__ = "my_reward"
     trainer = ESTrainer(tiny_model_dir, reward, args=config(tmp_path), train_dataset=prompt_dataset)
     before = weights(trainer.model)
@@ -202,7 +211,12 @@ def test_nan_rewards_are_excluded_not_propagated(tmp_path, tiny_model_dir, promp
 
 def test_dataset_without_prompt_column_is_refused(tmp_path, tiny_model_dir, prompt_dataset):
     with pytest.raises(ValueError, match="no 'prompt' column"):
-        ESTrainer(tiny_model_dir, even_token_share, args=config(tmp_path), train_dataset=prompt_dataset.rename_column("prompt", "question"))
+        ESTrainer(
+            tiny_model_dir,
+            even_token_share,
+            args=config(tmp_path),
+            train_dataset=prompt_dataset.rename_column("prompt", "question"),
+        )
     with pytest.raises(ValueError, match="reward"):
         ESTrainer(tiny_model_dir, [], args=config(tmp_path), train_dataset=prompt_dataset)
     from datasets import Dataset
@@ -251,8 +265,9 @@ def test_model_forms_model_init_kwargs_and_pad_token_fallback(tmp_path, tiny_mod
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.pad_token = None
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    trainer = ESTrainer(model, even_token_share, args=config(tmp_path), train_dataset=prompt_dataset,
-                        processing_class=tokenizer)
+    trainer = ESTrainer(
+        model, even_token_share, args=config(tmp_path), train_dataset=prompt_dataset, processing_class=tokenizer
+    )
     assert trainer.model is model and tokenizer.pad_token == tokenizer.eos_token
     trainer.train()
     with pytest.raises(TypeError, match="PreTrainedModel"):

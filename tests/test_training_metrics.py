@@ -29,10 +29,21 @@ def sums():
 
 
 def test_eval_steps_log_pass_and_maj_at_k_and_train_steps_log_entropy_and_diversity(tmp_path, tiny_model_dir, sums):
-    args = config(tmp_path, eval_strategy="steps", eval_steps=1, num_generations_eval=4, eval_k=[1, 2, 4],
-                  eval_task="small_sums", per_device_eval_batch_size=2, log_completion_entropy=True,
-                  log_population_diversity=True, max_completion_length=5)
-    trainer = ESTrainer(tiny_model_dir, even_first_token, args=args, train_dataset=sums, eval_dataset=sums.select(range(3)))
+    args = config(
+        tmp_path,
+        eval_strategy="steps",
+        eval_steps=1,
+        num_generations_eval=4,
+        eval_k=[1, 2, 4],
+        eval_task="small_sums",
+        per_device_eval_batch_size=2,
+        log_completion_entropy=True,
+        log_population_diversity=True,
+        max_completion_length=5,
+    )
+    trainer = ESTrainer(
+        tiny_model_dir, even_first_token, args=args, train_dataset=sums, eval_dataset=sums.select(range(3))
+    )
     trainer.train()
     evals = [log for log in trainer.state.log_history if "eval_pass@1" in log]
     assert [log["step"] for log in evals] == [1, 2]
@@ -63,8 +74,17 @@ def test_bad_evaluation_settings_are_refused(tmp_path, tiny_model_dir, sums):
     with pytest.raises(ValueError, match="eval_task='mbpp' is invalid: choose a task with answers"):
         config(tmp_path, eval_task="mbpp")
     with pytest.raises(ValueError, match=r"`eval_dataset` lacks column\(s\) \['answer'\]"):
-        ESTrainer(tiny_model_dir, even_first_token, args=config(tmp_path), train_dataset=sums,
-                  eval_dataset=sums.remove_columns("answer"))
+        ESTrainer(
+            tiny_model_dir,
+            even_first_token,
+            args=config(tmp_path),
+            train_dataset=sums,
+            eval_dataset=sums.remove_columns("answer"),
+        )
     with pytest.raises(ValueError, match="eval_dataset"):
-        ESTrainer(tiny_model_dir, even_first_token, args=config(tmp_path, eval_strategy="steps", eval_steps=1),
-                  train_dataset=sums)
+        ESTrainer(
+            tiny_model_dir,
+            even_first_token,
+            args=config(tmp_path, eval_strategy="steps", eval_steps=1),
+            train_dataset=sums,
+        )

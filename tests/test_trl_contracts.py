@@ -18,8 +18,14 @@ from trl_es import ESTrainer
 
 
 def es_args(tmp_path, **overrides):
-    values = dict(output_dir=str(tmp_path / "es"), population_size=2, sigma=0.01, per_device_train_batch_size=2,
-                  max_completion_length=4, max_steps=1)
+    values = dict(
+        output_dir=str(tmp_path / "es"),
+        population_size=2,
+        sigma=0.01,
+        per_device_train_batch_size=2,
+        max_completion_length=4,
+        max_steps=1,
+    )
     return es_config(tmp_path, **{**values, **overrides})
 
 
@@ -46,7 +52,9 @@ def describe(value):
 
 
 def recording_reward(calls):
-    def reward_contains_answer(prompts, completions, completion_ids, answer, trainer_state, log_metric, log_extra, **kw):
+    def reward_contains_answer(
+        prompts, completions, completion_ids, answer, trainer_state, log_metric, log_extra, **kw
+    ):
         calls.append(
             {
                 "prompts": prompts,
@@ -90,8 +98,14 @@ def test_grpo_reward_function_runs_unchanged_with_the_same_arguments(tmp_path, t
 def test_reward_model_id_async_function_weights_and_none(tmp_path, tiny_model_dir, tokenizer_dir):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     rm_config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
     rm_dir = tmp_path / "reward_model"
@@ -121,8 +135,12 @@ def test_reward_model_id_async_function_weights_and_none(tmp_path, tiny_model_di
 
 
 def test_saved_model_loads_in_transformers_and_grpo_with_a_model_card(tmp_path, tiny_model_dir, prompt_dataset):
-    trainer = ESTrainer(tiny_model_dir, lambda completions, **kw: [float(len(c)) for c in completions],
-                        args=es_args(tmp_path, population_size=4), train_dataset=prompt_dataset)
+    trainer = ESTrainer(
+        tiny_model_dir,
+        lambda completions, **kw: [float(len(c)) for c in completions],
+        args=es_args(tmp_path, population_size=4),
+        train_dataset=prompt_dataset,
+    )
     trainer.train()
     trainer.save_model()
     out = Path(trainer.args.output_dir)
@@ -134,8 +152,12 @@ def test_saved_model_loads_in_transformers_and_grpo_with_a_model_card(tmp_path, 
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     for (name, p), q in zip(trainer.model.named_parameters(), reloaded.parameters()):
         assert torch.equal(p, q), name
-    grpo = GRPOTrainer(str(out), lambda completions, **kw: [0.0] * len(completions), args=grpo_args(tmp_path),
-                       train_dataset=prompt_dataset)
+    grpo = GRPOTrainer(
+        str(out),
+        lambda completions, **kw: [0.0] * len(completions),
+        args=grpo_args(tmp_path),
+        train_dataset=prompt_dataset,
+    )
     assert grpo.model.config.vocab_size == reloaded.config.vocab_size
 
 
@@ -153,8 +175,13 @@ def test_report_to_tensorboard_and_log_completions(tmp_path, tiny_model_dir, pro
     events = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents*")).parent))
     events.Reload()
     tags = events.Tags()["scalars"]
-    for tag in ("train/reward", "train/es/update_norm", "train/es/population_reward_std", "train/es/time/generate",
-                "train/custom/first_token_mean"):
+    for tag in (
+        "train/reward",
+        "train/es/update_norm",
+        "train/es/population_reward_std",
+        "train/es/time/generate",
+        "train/custom/first_token_mean",
+    ):
         assert tag in tags, tags
     table = capsys.readouterr().out
     assert "Count to" in table and "first_token" in table  # prompts and the column logged with log_extra
@@ -175,8 +202,12 @@ def test_push_to_hub_goes_through_trainer(tmp_path, tiny_model_dir, prompt_datas
 
     monkeypatch.setattr(hf_trainer, "hf_api", RecordingHub)
     args = es_args(tmp_path, population_size=4, hub_model_id="me/tiny-es", push_to_hub=False)
-    trainer = ESTrainer(tiny_model_dir, lambda completions, **kw: [float(len(c)) for c in completions],
-                        args=args, train_dataset=prompt_dataset)
+    trainer = ESTrainer(
+        tiny_model_dir,
+        lambda completions, **kw: [float(len(c)) for c in completions],
+        args=args,
+        train_dataset=prompt_dataset,
+    )
     trainer.train()
     trainer.push_to_hub()
     assert uploads and uploads[-1][0] == "me/tiny-es"
@@ -185,7 +216,11 @@ def test_push_to_hub_goes_through_trainer(tmp_path, tiny_model_dir, prompt_datas
 
 def test_cli_trains_from_a_yaml_recipe(tmp_path, tiny_model_dir, prompt_dataset):
     data = tmp_path / "data.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": p, "target": t}) for p, t in zip(prompt_dataset["prompt"], prompt_dataset["target"])))
+    data.write_text(
+        "\n".join(
+            json.dumps({"prompt": p, "target": t}) for p, t in zip(prompt_dataset["prompt"], prompt_dataset["target"])
+        )
+    )
     (tmp_path / "my_rewards.py").write_text(
         "def target_in_completion(completions, target, **kwargs):\n"
         "    return [float(t in c) + 0.01 * len(c) for c, t in zip(completions, target)]\n"
@@ -198,14 +233,20 @@ def test_cli_trains_from_a_yaml_recipe(tmp_path, tiny_model_dir, prompt_dataset)
     )
     result = subprocess.run(
         [sys.executable, "-m", "trl_es.cli", "es", "--config", str(recipe), "--max_steps", "2"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "cli-out" / "model.safetensors").is_file()
     assert "trl-es" in (tmp_path / "cli-out" / "README.md").read_text()
     bad = subprocess.run(
         [sys.executable, "-m", "trl_es.cli", "es", "--config", str(recipe), "--reward_funcs", "nope"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert bad.returncode != 0 and "Unknown reward function 'nope'" in bad.stderr
 

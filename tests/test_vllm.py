@@ -16,8 +16,9 @@ SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
 
 
 def scenario(name, out, tokenizer_dir):
-    process = subprocess.run([sys.executable, str(SCENARIOS), name, str(out), tokenizer_dir], capture_output=True,
-                             text=True, timeout=900)
+    process = subprocess.run(
+        [sys.executable, str(SCENARIOS), name, str(out), tokenizer_dir], capture_output=True, text=True, timeout=900
+    )
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-5000:]
     return json.loads((out / "results.json").read_text())
 
@@ -51,8 +52,13 @@ def test_colocate_member_weights_equal_transformers_perturbation(colocate):
     parameters (embedding, norms) equal them; its completions equal transformers' on them; restoring is exact."""
     assert len(colocate["members"]) == 3
     for member in colocate["members"]:
-        assert member == {"sent_equal": True, "embedding_equal": True, "norm_equal": True,
-                          "completions_equal": True, "moved": True}
+        assert member == {
+            "sent_equal": True,
+            "embedding_equal": True,
+            "norm_equal": True,
+            "completions_equal": True,
+            "moved": True,
+        }
     assert colocate["restored_logprobs_bitwise"]
     assert colocate["restored_weights"]
 
@@ -100,11 +106,21 @@ def test_vllm_out_of_memory_names_the_setting(tmp_path, tokenizer_dir):
 def test_unreachable_server_is_a_clear_error(tmp_path, tiny_model_dir, prompt_dataset):
     from trl_es import ESTrainer
 
-    args = es_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_server_port=9, vllm_server_host="127.0.0.1",
-                     vllm_server_timeout=1)
+    args = es_config(
+        tmp_path,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_port=9,
+        vllm_server_host="127.0.0.1",
+        vllm_server_timeout=1,
+    )
     with pytest.raises(ConnectionError, match=r"no vLLM server answered at http://127.0.0.1:9/health.*vllm-serve"):
-        ESTrainer(tiny_model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                  train_dataset=prompt_dataset)
+        ESTrainer(
+            tiny_model_dir,
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=args,
+            train_dataset=prompt_dataset,
+        )
 
 
 def test_missing_vllm_names_the_install_command(tmp_path, tiny_model_dir, prompt_dataset, monkeypatch):
@@ -112,8 +128,12 @@ def test_missing_vllm_names_the_install_command(tmp_path, tiny_model_dir, prompt
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError, as without the package
     with pytest.raises(ImportError, match=r"pip install 'trl-es\[vllm\]'"):
-        ESTrainer(tiny_model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                  args=es_config(tmp_path, use_vllm=True), train_dataset=prompt_dataset)
+        ESTrainer(
+            tiny_model_dir,
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=es_config(tmp_path, use_vllm=True),
+            train_dataset=prompt_dataset,
+        )
 
 
 @pytest.mark.parametrize(
@@ -137,9 +157,13 @@ def test_vllm_with_an_adapter_is_refused(tmp_path, tiny_model_dir, prompt_datase
     from trl_es import ESTrainer
 
     with pytest.raises(ValueError, match="use_vllm=False"):
-        ESTrainer(tiny_model_dir, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                  args=es_config(tmp_path, use_vllm=True), train_dataset=prompt_dataset,
-                  peft_config=LoraConfig(r=2, target_modules=["q_proj"]))
+        ESTrainer(
+            tiny_model_dir,
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=es_config(tmp_path, use_vllm=True),
+            train_dataset=prompt_dataset,
+            peft_config=LoraConfig(r=2, target_modules=["q_proj"]),
+        )
 
 
 def test_vllm_serve_command(tmp_path):

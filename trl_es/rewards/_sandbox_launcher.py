@@ -22,8 +22,12 @@ def main() -> None:
     # A fresh network namespace has only a loopback device, and it is down. Without root the kernel may refuse the
     # user namespace this needs; the program then keeps the network (sandbox.py's docstring).
     libc.unshare(CLONE_NEWNET if root else CLONE_NEWUSER | CLONE_NEWNET)
-    for limit, value in ((resource.RLIMIT_AS, memory_mb * 2**20), (resource.RLIMIT_FSIZE, 16 * 2**20),
-                         (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)):
+    for limit, value in (
+        (resource.RLIMIT_AS, memory_mb * 2**20),
+        (resource.RLIMIT_FSIZE, 16 * 2**20),
+        (resource.RLIMIT_NOFILE, 64),
+        (resource.RLIMIT_CORE, 0),
+    ):
         resource.setrlimit(limit, (value, value))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))  # SIGXCPU, then SIGKILL
     if root:

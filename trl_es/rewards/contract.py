@@ -69,7 +69,9 @@ class RewardFunctions:
         chat_template_kwargs: dict | None = None,
     ):
         if reward_funcs is None:
-            raise ValueError("ESTrainer needs at least one reward function (`reward_funcs`): ES learns from rewards only")
+            raise ValueError(
+                "ESTrainer needs at least one reward function (`reward_funcs`): ES learns from rewards only"
+            )
         funcs = list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs]
         if not funcs:
             raise ValueError("`reward_funcs` is empty: ES learns from rewards only")
@@ -128,7 +130,9 @@ class RewardFunctions:
 
     def _check(self, output: Any, name: str, expected: int) -> list[float]:
         if isinstance(output, (str, bytes)) or not hasattr(output, "__len__"):
-            raise TypeError(f"The reward function '{name}' returned a {type(output).__name__}; expected a list of rewards")
+            raise TypeError(
+                f"The reward function '{name}' returned a {type(output).__name__}; expected a list of rewards"
+            )
         if len(output) != expected:
             raise ValueError(
                 f"The reward function '{name}' returned {len(output)} rewards, but {expected} were expected "
@@ -144,7 +148,9 @@ class RewardFunctions:
             ]
         else:
             texts = [p + c for p, c in zip(prompts, completions, strict=True)]
-        inputs = tokenizer(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        inputs = tokenizer(
+            text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False
+        )
         device = next(model.parameters()).device
         with torch.inference_mode():
             return model(**inputs.to(device)).logits[:, 0].float().tolist()
@@ -164,9 +170,13 @@ class RewardFunctions:
         pending = []
         for i, (func, name) in enumerate(zip(self.funcs, self.names, strict=True)):
             if isinstance(func, nn.Module):
-                rewards[:, i] = torch.tensor(self._model_rewards(func, self.processing_classes[i], prompts, completions))
+                rewards[:, i] = torch.tensor(
+                    self._model_rewards(func, self.processing_classes[i], prompts, completions)
+                )
             elif is_async_callable(func):
-                pending.append((i, func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)))
+                pending.append(
+                    (i, func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs))
+                )
             else:
                 output = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
                 rewards[:, i] = torch.tensor(self._check(output, name, len(prompts)))

@@ -62,8 +62,10 @@ def _interpreter() -> str:
     for python in dict.fromkeys(_INTERPRETERS):
         if os.path.isfile(python) and _run(python, "import collections, json, math, re", 10.0, 256).passed:
             return python
-    raise RuntimeError(f"none of {list(dict.fromkeys(_INTERPRETERS))} can run in the sandbox; as root it needs a "
-                       "Python whose files every uid can read (e.g. the system's /usr/bin/python3)")
+    raise RuntimeError(
+        f"none of {list(dict.fromkeys(_INTERPRETERS))} can run in the sandbox; as root it needs a "
+        "Python whose files every uid can read (e.g. the system's /usr/bin/python3)"
+    )
 
 
 def _run(python: str, source: str, timeout_s: float, memory_mb: int) -> SandboxResult:
@@ -80,10 +82,27 @@ def _run(python: str, source: str, timeout_s: float, memory_mb: int) -> SandboxR
         # reached through the working directory itself, as the throwaway uid may not traverse the temporary
         # directory's parents (a TMPDIR private to root)
         program = "/proc/self/cwd/program.py"
-        command = [sys.executable, "-I", "-S", _LAUNCHER, python, program, str(memory_mb), str(math.ceil(timeout_s) + 1),
-                   str(uid)]
-        process = subprocess.Popen(command, env={}, cwd=workdir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL, close_fds=True, start_new_session=True)
+        command = [
+            sys.executable,
+            "-I",
+            "-S",
+            _LAUNCHER,
+            python,
+            program,
+            str(memory_mb),
+            str(math.ceil(timeout_s) + 1),
+            str(uid),
+        ]
+        process = subprocess.Popen(
+            command,
+            env={},
+            cwd=workdir,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            close_fds=True,
+            start_new_session=True,
+        )
         try:
             status = process.wait(timeout_s)
         except subprocess.TimeoutExpired:

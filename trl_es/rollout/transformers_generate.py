@@ -30,8 +30,13 @@ class Rollout:
     def select(self, start: int, end: int) -> Rollout:
         """Completions start..end-1 (e.g. one member's rows of a batched population)."""
         entropy = None if self.entropy_sums is None else self.entropy_sums[start:end]
-        return Rollout(self.prompts[start:end], self.completions[start:end], self.completion_ids[start:end],
-                       self.truncated[start:end], entropy)
+        return Rollout(
+            self.prompts[start:end],
+            self.completions[start:end],
+            self.completion_ids[start:end],
+            self.truncated[start:end],
+            entropy,
+        )
 
 
 class EntropyRecorder(LogitsProcessor):
@@ -68,7 +73,10 @@ class TransformersRollout:
         prompts = list(prompts)
         if is_conversational({"prompt": prompts[0]}):
             return self.tokenizer.apply_chat_template(
-                conversation=prompts, add_generation_prompt=True, tokenize=True, return_dict=True,
+                conversation=prompts,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=True,
                 **self.chat_template_kwargs,
             )["input_ids"]
         return self.tokenizer(text=prompts)["input_ids"]

@@ -77,8 +77,9 @@ class _Colocated:
 
         tp = args.vllm_tensor_parallel_size
         if accelerator.num_processes % tp:
-            raise ValueError(f"vllm_tensor_parallel_size ({tp}) must divide the number of processes "
-                             f"({accelerator.num_processes})")
+            raise ValueError(
+                f"vllm_tensor_parallel_size ({tp}) must divide the number of processes ({accelerator.num_processes})"
+            )
         # In this process (the ES worker extension's calls pass tensors by reference); vLLM's external launcher joins
         # the processes accelerate started, as in TRL's colocate mode.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -206,8 +207,13 @@ class VLLMRollout(TransformersRollout):
     def start(self, names: list[str], seed: int, noise_table_size: int, checkpoint: str | None = None) -> None:
         """Give vLLM θ (colocate: the trainer's tensors; server: the files of `checkpoint` when resuming, else of the
         served model, checked bitwise against the trainer's θ) and the run's noise table."""
-        payload = {"seed": seed, "noise_table_size": noise_table_size,
-                   "dtype": str(self.dtype).removeprefix("torch."), "names": names, "path": checkpoint}
+        payload = {
+            "seed": seed,
+            "noise_table_size": noise_table_size,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "names": names,
+            "path": checkpoint,
+        }
         params = dict(self.model.named_parameters())
         if isinstance(self.engine, _Server):
             results = self.engine.rpc("es_init", payload)
@@ -242,8 +248,10 @@ class VLLMRollout(TransformersRollout):
 
     def generate(self, prompts, prompt_ids, num_generations, seed, record_entropy=False) -> Rollout:
         if record_entropy:
-            raise ValueError("token entropy needs the full next-token distribution, which vLLM does not return: "
-                             "use_vllm=False for log_completion_entropy and eval entropy")
+            raise ValueError(
+                "token entropy needs the full next-token distribution, which vLLM does not return: "
+                "use_vllm=False for log_completion_entropy and eval entropy"
+            )
         if self.settings["temperature"] == 0:  # greedy: vLLM refuses n > 1, so each prompt is repeated
             outputs = self.engine.generate([ids for ids in prompt_ids for _ in range(num_generations)], self.settings)
         else:

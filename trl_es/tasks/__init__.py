@@ -61,6 +61,19 @@ def get_task(name: str) -> Task:
 
 
 __all__ = [
-    "TASKS", "Task", "choice_reward", "commonsenseqa", "countdown", "countdown_reward", "first_integer_reward",
-    "get_task", "gsm8k", "gsm8k_reward", "math500", "math_reward", "mbpp", "mbpp_reward", "small_sums",
+    "TASKS",
+    "Task",
+    "choice_reward",
+    "commonsenseqa",
+    "countdown",
+    "countdown_reward",
+    "first_integer_reward",
+    "get_task",
+    "gsm8k",
+    "gsm8k_reward",
+    "math500",
+    "math_reward",
+    "mbpp",
+    "mbpp_reward",
+    "small_sums",
 ]

@@ -22,7 +22,9 @@ def commonsenseqa(split: str = "validation", source: str | None = None, conversa
     {stem, choices}), a hub id (`tau/commonsense_qa`: question string, choices {label, text}) or None for the local
     copy. The authors' test split has no answers and is refused."""
     if split not in _LOCAL_FILES:
-        raise ValueError(f"unknown CommonsenseQA split {split!r}; choose 'train' or 'validation' (test has no answers)")
+        raise ValueError(
+            f"unknown CommonsenseQA split {split!r}; choose 'train' or 'validation' (test has no answers)"
+        )
     source = source or local_data(_LOCAL_FILES[split], hub_id="tau/commonsense_qa")
     rows = load_rows(source, split)
     require_columns(rows, ["question", "answerKey"], source)

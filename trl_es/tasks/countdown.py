@@ -25,12 +25,17 @@ TEMPLATE = (
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _STRICT_FORMAT = re.compile(r"^<think>.*?</think>\n<answer>.*?</answer>$", re.DOTALL)
 _ALLOWED = re.compile(r"^[0-9+\-*/() ]+$")
-_OPERATORS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-              ast.Div: lambda a, b: a / b}
+_OPERATORS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+}
 
 
 def solve(numbers: list[int], target: int) -> str | None:
     """An expression reaching `target` from `numbers` under the integer rules, or None (exhaustive search)."""
+
     def search(items: list[tuple[int, str]]) -> str | None:
         if len(items) == 1:
             return items[0][1] if items[0][0] == target else None
@@ -69,16 +74,19 @@ def countdown(split: str = "train", n_train: int = 200, n_test: int = 2000, seed
         if solution is not None:
             rows.append({"numbers": numbers, "target": target, "solution": solution})
     rows = rows[:n_train] if split == "train" else rows[n_train:]
-    return Dataset.from_dict({
-        "prompt": [TEMPLATE.format(nums=_format_nums(r["numbers"]), target=r["target"]) for r in rows],
-        "numbers": [r["numbers"] for r in rows],
-        "target": [r["target"] for r in rows],
-        "solution": [r["solution"] for r in rows],
-    })
+    return Dataset.from_dict(
+        {
+            "prompt": [TEMPLATE.format(nums=_format_nums(r["numbers"]), target=r["target"]) for r in rows],
+            "numbers": [r["numbers"] for r in rows],
+            "target": [r["target"] for r in rows],
+            "solution": [r["solution"] for r in rows],
+        }
+    )
 
 
 def evaluate_expression(text: str) -> float:
     """The value of an arithmetic expression of numbers, + − * /, parentheses (ValueError for anything else)."""
+
     def walk(node):
         if isinstance(node, ast.Expression):
             return walk(node.body)

@@ -37,8 +37,13 @@ def mbpp(split: str = "test", source: str | None = None, conversational: bool = 
     require_columns(rows, columns, source)
     first, last = SPLITS[split]
     rows = rows.filter(lambda row: first <= row["task_id"] <= last).select_columns(columns)
-    return rows.map(lambda row: {"prompt": as_prompt(
-        TEMPLATE.format(prompt=row["prompt"], tests="\n".join(row["test_list"])), conversational)})
+    return rows.map(
+        lambda row: {
+            "prompt": as_prompt(
+                TEMPLATE.format(prompt=row["prompt"], tests="\n".join(row["test_list"])), conversational
+            )
+        }
+    )
 
 
 def extract_program(text: str) -> str | None:
@@ -62,7 +67,9 @@ def mbpp_reward(completions, test_list, test_imports, **kwargs) -> list[float]:
 def mbpp_verify(completions, test_list, test_imports, **kwargs) -> list[bool]:
     """Whether each completion's program passes all its task's asserts in the sandbox."""
     if not len(completions) == len(test_list) == len(test_imports):
-        raise ValueError(f"{len(completions)} completions but {len(test_list)} test lists, {len(test_imports)} imports")
+        raise ValueError(
+            f"{len(completions)} completions but {len(test_list)} test lists, {len(test_imports)} imports"
+        )
     # one program per CPU at a time: the sandbox's timeout is wall-clock time, which oversubscribed CPUs would eat
     with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
         return list(pool.map(_passes, completions, test_list, test_imports))
