@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+
 DEMO = {"sigma": 3e-3, "learning_rate": 2e-3, "max_completion_length": 12, "generation_kwargs": {"do_sample": False}}
 CURVES = {
     "full": {},

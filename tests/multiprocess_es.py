@@ -22,6 +22,7 @@ from transformers import TrainerCallback
 
 from trl_es import ESConfig, ESTrainer
 
+
 FAULT = os.environ.get("ES_TEST_FAULT")
 
 

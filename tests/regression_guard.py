@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 sys.path.insert(0, os.path.dirname(__file__))
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 from conftest import build_tiny_model, es_config  # noqa: E402
 from datasets import Dataset  # noqa: E402
+
 
 MODEL = dict(hidden_size=64, intermediate_size=128, initializer_range=0.3, max_position_embeddings=128)
 PROMPTS = [f"Count to {n}:" for n in range(1, 9)]

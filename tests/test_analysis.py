@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_es.analysis import linear_path, mean_nll, mean_token_kl, update_cosine
 
+
 TEXTS = ["The capital of France is Paris.", "Water boils at 100 degrees."]
 
 
@@ -48,7 +49,7 @@ def test_kl_drift_is_zero_for_the_same_weights_and_grows_with_change(tiny_model_
     for scale in (0.01, 0.1):
         torch.manual_seed(0)
         with torch.no_grad():
-            for p, q in zip(model.parameters(), reference.parameters()):
+            for p, q in zip(model.parameters(), reference.parameters(), strict=False):
                 p.copy_(q + scale * torch.randn_like(q))
         drifts.append(mean_token_kl(reference, model, tokenizer, TEXTS))
     assert 0 < drifts[0] < drifts[1]

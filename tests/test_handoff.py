@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+
 EXAMPLE = Path(__file__).parents[1] / "examples" / "sequential.py"
 
 
@@ -43,7 +44,7 @@ def test_sequential_example_runs_both_orders_and_keeps_each_stage(tmp_path, tiny
     first, second = order.split("-")
     assert outputs == [str(tmp_path / f"1-{first}"), str(tmp_path / f"2-{second}")]
     chain = [tiny_model_dir, *outputs]
-    for previous, stage, name in zip(chain, chain[1:], order.split("-")):
+    for previous, stage, name in zip(chain, chain[1:], order.split("-"), strict=False):
         tokenizer = AutoTokenizer.from_pretrained(stage)  # the tokenizer and chat template travel with the model
         assert tokenizer.chat_template == AutoTokenizer.from_pretrained(tiny_model_dir).chat_template
         before, after = weights(previous), weights(stage)
@@ -84,9 +85,9 @@ def grpo_lora_checkpoint(tmp_path_factory, tiny_model_dir):
 
 
 def test_es_starts_from_a_grpo_lora_checkpoint_merged_or_adapter_only(tmp_path, grpo_lora_checkpoint, prompt_dataset):
+    from conftest import es_config
     from peft import PeftModel
 
-    from conftest import es_config
     from trl_es import ESTrainer
 
     assert (grpo_lora_checkpoint / "adapter_config.json").is_file()
@@ -119,9 +120,9 @@ def test_bad_starting_points_are_clear_errors(tmp_path, grpo_lora_checkpoint, ti
     import json
     import shutil
 
+    from conftest import es_config
     from transformers import AddedToken
 
-    from conftest import es_config
     from trl_es import ESTrainer
 
     orphan = tmp_path / "orphan"
@@ -167,9 +168,9 @@ def test_bad_starting_points_are_clear_errors(tmp_path, grpo_lora_checkpoint, ti
 
 
 def test_es_starts_from_a_full_grpo_checkpoint(tmp_path, tiny_model_dir, prompt_dataset):
+    from conftest import es_config
     from trl import GRPOConfig, GRPOTrainer
 
-    from conftest import es_config
     from trl_es import ESTrainer
 
     args = GRPOConfig(

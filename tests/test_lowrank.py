@@ -16,6 +16,7 @@ from trl_es.es.lowrank import (
     lowrank_update,
 )
 
+
 SIGMA = 0.05
 SEEDS, SIGNS = [11, 11, 12], [1, -1, 1]  # members 0 and 1 are an antithetic pair
 
@@ -151,7 +152,7 @@ def test_update_equals_the_explicit_sum_and_returns_its_norm(dtype):
     norm = lowrank_update(weights, directions, fitness, lr, n_members=4, rank=rank)
     squared = 0.0
     for name, w in weights.items():
-        terms = zip(fitness.tolist(), directions)
+        terms = zip(fitness.tolist(), directions, strict=False)
         delta = sum(lr / 4 * z * sign * noise(seed, name, w.shape, rank) for z, (seed, sign) in terms)
         squared += float(delta.square().sum())
         expected = (before[name].float() + delta).to(dtype)

@@ -7,6 +7,7 @@ from peft.utils.merge_utils import dare_ties
 
 from trl_es.es.merge import MergeSearch, layer_groups, merge, merge_seed, task_vectors
 
+
 pytestmark = pytest.mark.filterwarnings("ignore:The density 1.0 is greater than or equal to 1")
 
 

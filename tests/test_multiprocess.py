@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import build_tiny_model
 from transformers import AutoModelForCausalLM
 
-from conftest import build_tiny_model
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).parent / "multiprocess_es.py"
@@ -138,7 +138,7 @@ def test_two_processes_give_the_one_process_weights_and_logged_rewards(tmp_path,
     reference_steps = [entry for entry in reference["log_history"] if "reward" in entry]
     assert len(steps) == len(reference_steps) == 3
     assert len({entry["reward"] for entry in steps}) > 1  # the rewards move, so equality means something
-    for entry, ref in zip(steps, reference_steps):
+    for entry, ref in zip(steps, reference_steps, strict=False):
         assert same(entry, ref, REWARD_METRICS)
         # ‖Δθ‖, distances and entropies are float reductions: equal up to the thread count's summation order.
         assert entry["es/update_norm"] == pytest.approx(ref["es/update_norm"], rel=1e-5)
@@ -150,7 +150,7 @@ def test_two_processes_give_the_one_process_weights_and_logged_rewards(tmp_path,
     )
     # the model is saved once, by the main process, and equals the weights of every rank
     saved = AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert_equal_weights({n: p for n, p in saved.named_parameters()}, expected)
+    assert_equal_weights(dict(saved.named_parameters()), expected)
 
 
 def write_recipe(folder: Path, model_dir: str) -> None:
@@ -171,7 +171,7 @@ def test_cli_under_accelerate_launch_matches_one_process(tmp_path, model_dir, on
     result = accelerate_launch(2, "-m", "trl_es.cli", "es", "--config", "recipe.yaml", backend=cpu, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "cli-out")
-    assert_equal_weights({n: p for n, p in saved.named_parameters()}, rank_weights(one_process, 0))
+    assert_equal_weights(dict(saved.named_parameters()), rank_weights(one_process, 0))
 
 
 def test_cli_resolves_trl_accelerate_config_short_names(tmp_path, model_dir, one_process):
@@ -194,7 +194,7 @@ def test_cli_resolves_trl_accelerate_config_short_names(tmp_path, model_dir, one
     assert result.returncode == 0, result.stderr[-3000:]
     assert "deepspeed_shm_comm_op" in result.stdout + result.stderr  # DeepSpeed's CPU communication: 2 processes
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "cli-out")
-    assert_equal_weights({n: p for n, p in saved.named_parameters()}, rank_weights(one_process, 0))
+    assert_equal_weights(dict(saved.named_parameters()), rank_weights(one_process, 0))
 
 
 def test_a_reward_error_on_one_process_stops_every_process_with_weights_restored(tmp_path, model_dir):
@@ -243,7 +243,7 @@ def test_deepspeed_zero_two_processes_give_the_one_process_weights(tmp_path, mod
     for rank in (0, 1):
         assert_equal_weights(rank_weights(tmp_path, rank), expected)
     saved = AutoModelForCausalLM.from_pretrained(tmp_path)  # HF names and full tensors, gathered under ZeRO-3
-    assert_equal_weights({n: p for n, p in saved.named_parameters()}, expected)
+    assert_equal_weights(dict(saved.named_parameters()), expected)
     if stage == 3:  # resume from the checkpoint saved at step 2 under ZeRO-3
         resumed = tmp_path / "resumed"
         checkpoint = str(tmp_path / "checkpoint-2")

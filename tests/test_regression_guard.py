@@ -19,9 +19,11 @@ import pytest
 import torch
 import transformers
 
+
 sys.path.insert(0, os.path.dirname(__file__))
 import regression_guard  # noqa: E402
 from test_multiprocess import accelerate_launch  # noqa: E402
+
 
 GOLDEN = Path(__file__).parent / "data" / "regression_hashes.json"
 RECORD = os.environ.get("TRL_ES_RECORD_GUARD") == "1"

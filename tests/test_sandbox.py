@@ -18,6 +18,7 @@ from trl_es.rewards.sandbox import SandboxResult, run_python
 from trl_es.tasks.data import local_data
 from trl_es.tasks.mbpp import extract_program, mbpp, mbpp_reward, mbpp_verify
 
+
 THROWAWAY_UIDS = range(200_000, 2_000_000)
 
 

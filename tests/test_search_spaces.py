@@ -7,6 +7,7 @@ from conftest import es_config as config
 from trl_es import ESTrainer
 from trl_es.es import NoiseTable, ParameterSnapshot, member_groups, partition_parameters
 
+
 NAMES = [
     "model.embed_tokens.weight",
     *(

@@ -6,6 +6,7 @@ import torch
 from trl_es import ESConfig, ESTrainer
 from trl_es.tasks import first_integer_reward, small_sums
 
+
 pytestmark = pytest.mark.slow
 
 

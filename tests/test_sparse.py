@@ -34,7 +34,11 @@ def test_statistics_by_hand(pair):
     total = stats["total"]
     assert (total["numel"], total["nonzero"]) == (7, 4)
     assert total["nonzero_share"] == pytest.approx(4 / 7)
-    deltas = [t - b for name in base for b, t in zip(base[name].flatten().tolist(), tuned[name].flatten().tolist())]
+    deltas = [
+        t - b
+        for name in base
+        for b, t in zip(base[name].flatten().tolist(), tuned[name].flatten().tolist(), strict=False)
+    ]
     base_norm = math.sqrt(sum(v * v for name in base for v in base[name].flatten().tolist()))
     assert total["relative_l2"] == pytest.approx(math.sqrt(sum(d * d for d in deltas)) / base_norm, rel=1e-4)
     # nonzero |Δ| ≈ 0.002, 0.0005, 0.01, 0.001: ≤ 1e-3 → 2 of 4 (0.0005 and 0.001), ≤ 5e-3 → 3 of 4
@@ -148,9 +152,9 @@ def test_sparsify_and_apply_delta_commands_on_real_models(tmp_path, tiny_model_d
 
 
 def test_trainer_writes_the_sparse_delta_and_its_statistics_at_save(tmp_path, tiny_model_dir, prompt_dataset):
+    from conftest import es_config
     from transformers import AutoModelForCausalLM
 
-    from conftest import es_config
     from trl_es import ESTrainer
 
     def length_reward(completion_ids, **kwargs):

@@ -5,9 +5,9 @@ import warnings
 
 import pytest
 import torch
+from conftest import es_config as config
 from transformers import AutoModelForCausalLM
 
-from conftest import es_config as config
 from trl_es import ESTrainer
 
 

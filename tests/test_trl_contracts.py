@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import es_config
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 from transformers.trainer_callback import TrainerState
 from trl import GRPOConfig, GRPOTrainer
 
-from conftest import es_config
 from trl_es import ESTrainer
 
 
@@ -73,7 +73,10 @@ def recording_reward(calls):
             }
         )
         log_metric("answer_seen", 1.0)
-        return [float(a in (c if isinstance(c, str) else c[0]["content"])) for c, a in zip(completions, answer)]
+        return [
+            float(a in (c if isinstance(c, str) else c[0]["content"]))
+            for c, a in zip(completions, answer, strict=False)
+        ]
 
     return reward_contains_answer
 
@@ -150,7 +153,7 @@ def test_saved_model_loads_in_transformers_and_grpo_with_a_model_card(tmp_path, 
     for text in ("trl-es", "evolution-strategies", "- trl", "population_size", "sigma", "Evolution Strategies"):
         assert text in card, text
     reloaded = AutoModelForCausalLM.from_pretrained(out)
-    for (name, p), q in zip(trainer.model.named_parameters(), reloaded.parameters()):
+    for (name, p), q in zip(trainer.model.named_parameters(), reloaded.parameters(), strict=False):
         assert torch.equal(p, q), name
     grpo = GRPOTrainer(
         str(out),
@@ -218,7 +221,8 @@ def test_cli_trains_from_a_yaml_recipe(tmp_path, tiny_model_dir, prompt_dataset)
     data = tmp_path / "data.jsonl"
     data.write_text(
         "\n".join(
-            json.dumps({"prompt": p, "target": t}) for p, t in zip(prompt_dataset["prompt"], prompt_dataset["target"])
+            json.dumps({"prompt": p, "target": t})
+            for p, t in zip(prompt_dataset["prompt"], prompt_dataset["target"], strict=False)
         )
     )
     (tmp_path / "my_rewards.py").write_text(

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import es_config
 
+
 SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
 
 

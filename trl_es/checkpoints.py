@@ -8,6 +8,7 @@ import os
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from trl.trainer.utils import create_model_from_path, get_config_model_id
 
+
 WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",

@@ -27,6 +27,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+
 BUILTIN_REWARDS = (
     "first_integer_reward",
     "countdown_reward",

@@ -13,6 +13,7 @@ from .es.fitness import SHAPINGS
 from .es.noise import CHUNK
 from .es.subspaces import PARTITIONS
 
+
 BASELINES = ("none", "center")
 SEARCH_SPACES = ("full", "copes", "lowrank", "merge")
 VLLM_MODES = ("colocate", "server")

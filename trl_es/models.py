@@ -12,6 +12,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

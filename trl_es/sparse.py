@@ -28,6 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+
 FORMAT = "trl-es-sparse-delta/1"
 
 
@@ -58,7 +59,7 @@ def update_statistics(
 ) -> dict:
     """Relative L2 ‖Δ‖/‖θ_base‖, nonzero count and share, s_τ for each τ: for the whole model and per tensor."""
     delta = update(base, tuned)
-    rows, totals = {}, {"numel": 0, "nonzero": 0, "delta_sq": 0.0, "base_sq": 0.0, **{t: 0 for t in taus}}
+    rows, totals = {}, {"numel": 0, "nonzero": 0, "delta_sq": 0.0, "base_sq": 0.0, **dict.fromkeys(taus, 0)}
     for name, d in delta.items():
         magnitude = d.abs()
         nonzero = magnitude > 0

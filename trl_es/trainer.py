@@ -60,6 +60,7 @@ from .rollout import TransformersRollout, VLLMRollout, require_vllm
 from .tasks import get_task
 from .tasks.data import completion_text
 
+
 logger = logging.get_logger(__name__)
 
 DISTANCE_SAMPLE = 1 << 20

@@ -6,6 +6,7 @@ from .params import ParameterSnapshot, select_parameters
 from .subspaces import member_groups, partition_parameters
 from .update import apply_update, update_coefficients
 
+
 __all__ = [
     "NoiseTable",
     "ParameterSnapshot",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+
 SHAPINGS = ("zscore", "centered_rank", "none")
 
 

@@ -93,7 +93,7 @@ class LowRankPopulation:
         factors = [lowrank_factors(seed, name, weight.shape, self.rank) for seed in self.seeds]
         b_all = torch.cat([b for _, b in factors], dim=1)
         scales = [self.sigma * sign / math.sqrt(self.rank) for sign in self.signs]
-        a_all = torch.cat([a * scale for (a, _), scale in zip(factors, scales)], dim=1).T
+        a_all = torch.cat([a * scale for (a, _), scale in zip(factors, scales, strict=True)], dim=1).T
         return b_all.to(weight.device, weight.dtype), a_all.contiguous().to(weight.device, weight.dtype)
 
     def __enter__(self) -> None:
@@ -152,7 +152,9 @@ def lowrank_update(
     squared_norm = 0.0
     for name, weight in weights.items():
         factors = [lowrank_factors(seed, name, weight.shape, rank, device=weight.device) for seed in coefficients]
-        a = torch.cat([a * (c / math.sqrt(rank)) for (a, _), c in zip(factors, coefficients.values())], dim=1)
+        a = torch.cat(
+            [a * (c / math.sqrt(rank)) for (a, _), c in zip(factors, coefficients.values(), strict=True)], dim=1
+        )
         b = torch.cat([b for _, b in factors], dim=1)
         delta = a @ b.T
         squared_norm += float(delta.square().sum())

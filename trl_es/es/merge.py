@@ -30,6 +30,7 @@ from peft.utils.merge_utils import dare_ties
 
 from .noise import _hash64
 
+
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
+
 CHUNK = 1 << 20
 """Elements per noise window. Windows of one parameter start at independent offsets."""
 

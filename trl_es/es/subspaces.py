@@ -13,6 +13,7 @@ import torch
 
 from .noise import _hash64
 
+
 PARTITIONS = ("layer", "module", "random")
 _LAYER = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
 

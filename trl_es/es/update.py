@@ -49,7 +49,7 @@ def apply_update(
         buffer = buffers[flat.device]
         for k, (a, b, _) in enumerate(windows[0]):
             delta = buffer[: b - a].zero_()
-            for coeff, member_windows in zip(coeffs, windows):
+            for coeff, member_windows in zip(coeffs, windows, strict=True):
                 delta.add_(member_windows[k][2], alpha=coeff)
             theta = base[a:b].to(flat.device)
             if decay:

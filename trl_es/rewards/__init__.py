@@ -2,4 +2,5 @@
 
 from .contract import RewardFunctions
 
+
 __all__ = ["RewardFunctions"]

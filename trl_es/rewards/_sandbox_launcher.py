@@ -10,6 +10,7 @@ import resource
 import signal
 import sys
 
+
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 

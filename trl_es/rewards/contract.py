@@ -33,6 +33,7 @@ from trl.trainer.utils import (
     start_event_loop_in_daemon,
 )
 
+
 RewardFunc = str | PreTrainedModel | Callable[..., list[float | None]]
 
 

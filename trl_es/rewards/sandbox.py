@@ -36,6 +36,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+
 _LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_launcher.py")
 _INTERPRETERS = (sys.executable, "/usr/local/bin/python3", "/usr/bin/python3")
 _SHARED_TEMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")

@@ -3,4 +3,5 @@
 from .transformers_generate import Rollout, TransformersRollout
 from .vllm_generate import VLLMRollout, require_vllm
 
+
 __all__ = ["Rollout", "TransformersRollout", "VLLMRollout", "require_vllm"]

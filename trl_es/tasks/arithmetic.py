@@ -12,6 +12,7 @@ import re
 
 from datasets import Dataset
 
+
 _INTEGER = re.compile(r"-?\d+")
 _ONLY_A_NUMBER = re.compile(r"\s*-?\d+\s*\.?\s*")
 

@@ -11,6 +11,7 @@ import re
 
 from .data import as_prompt, completion_text, load_rows, local_data, require_columns
 
+
 INSTRUCTION = 'Answer with the letter of the correct choice, as "Answer: X".'
 _LOCAL_FILES = {"train": "commonsenseqa/train_rand_split.jsonl", "validation": "commonsenseqa/dev_rand_split.jsonl"}
 _AFTER_ANSWER = re.compile(r"(?i:answer)\s*(?:(?i:is)\s*)?:?\s*\(?([A-E])\b")

@@ -15,6 +15,7 @@ import re
 
 from datasets import Dataset
 
+
 TEMPLATE = (
     "You are a helpful assistant. You first think about the reasoning process in your mind and then provide the user "
     "with the answer.Using the numbers {nums}, create an equation that equals {target}. You can use basic arithmetic "

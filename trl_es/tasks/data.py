@@ -13,6 +13,7 @@ from pathlib import Path
 
 from datasets import Dataset, load_dataset
 
+
 _REPOSITORY_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 _FILE_SUFFIXES = (".json", ".jsonl")
 

@@ -13,6 +13,7 @@ from decimal import Decimal, InvalidOperation
 
 from .data import as_prompt, completion_text, load_rows, local_data, require_columns
 
+
 TEMPLATE = '{question} Let\'s think step by step and output the final answer after "####".'
 _NUMBER = r"-?[\d,]*\.?\d+"
 _AFTER_HASHES = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")

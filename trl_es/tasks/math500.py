@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .data import as_prompt, completion_text, load_rows, local_data, require_columns
 
+
 TEMPLATE = "{problem} Let's think step by step and output the final answer within \\boxed{{}}."
 
 

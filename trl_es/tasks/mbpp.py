@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ..rewards.sandbox import run_python
 from .data import as_prompt, completion_text, load_rows, local_data, require_columns
 
+
 TEMPLATE = (
     "You are an expert Python programmer, and here is your task: {prompt} Your code should pass these tests:\n\n"
     "{tests}\n\nWrite the complete code in one ```python code block."
