@@ -5,9 +5,8 @@ import math
 import pytest
 import torch
 
+from trl_es.distributed import all_reduce_summaries, local_slots
 from trl_es.population import (
-    all_reduce_summaries,
-    local_slots,
     population_diversity,
     population_metrics,
     summarize,

@@ -130,7 +130,7 @@ def test_lowrank_batched_population_learns_and_moves_only_linear_weights_by_low_
     trainer = ESTrainer(tiny_model_dir, upper_vocab_share, args=args, train_dataset=prompt_dataset)
     trainer.train()
     start = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
-    targets = set(trainer._lowrank_targets)
+    targets = set(trainer.space.targets)
     assert targets and all("proj" in name for name in targets)  # attention and MLP matrices, not the tied head
     for name, p in trainer.model.named_parameters():
         delta = (p - start[name]).detach()

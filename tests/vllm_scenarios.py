@@ -32,7 +32,7 @@ def reward(completions, **kwargs):
 
 
 def fingerprint(model):
-    from trl_es.rollout.vllm_worker import weights_fingerprint
+    from trl_es.es import weights_fingerprint
 
     params = dict(model.named_parameters())
     return weights_fingerprint(params, list(params))
@@ -101,17 +101,18 @@ def colocate(out: Path) -> dict:
     reference = TransformersRollout(vl.model, rollout.tokenizer, rollout.generation_config, rollout.eos_token_ids)
     prompt_ids = rollout.tokenize(PROMPTS)
     before = greedy_logprobs(vl, prompt_ids)
-    vl._prepare_es_state()
-    vl._snapshot.capture()
+    vl.weights.start()
+    local = vl.weights.local  # the trainer's own tensors, perturbed the same way for the comparison
+    local.capture()
     results["members"] = []
     for i in range(3):
         seed, scale = member_seed(3, 7, i), 0.02 * (-1) ** i
-        rollout.perturb(seed, scale)
-        vl._snapshot.perturb(vl._noise_table, seed, scale)
+        vl.weights.member(seed, scale)
+        local.member(seed, scale)
         inside = worker_model(vl)
         results["members"].append(
             {
-                "sent_equal": rollout.engine.rpc("es_fingerprint", {})[0]["fingerprint"] == fingerprint(vl.model),
+                "sent_equal": vl.weights.fingerprint() == fingerprint(vl.model),
                 "embedding_equal": torch.equal(inside.model.embed_tokens.weight, vl.model.model.embed_tokens.weight),
                 "norm_equal": torch.equal(
                     inside.model.layers[1].input_layernorm.weight, vl.model.model.layers[1].input_layernorm.weight
@@ -121,10 +122,10 @@ def colocate(out: Path) -> dict:
                 "moved": greedy_logprobs(vl, prompt_ids) != before,
             }
         )
-        vl._snapshot.restore()
-    rollout.restore()
+        local.restore()
+    vl.weights.center()
     results["restored_logprobs_bitwise"] = greedy_logprobs(vl, prompt_ids) == before
-    results["restored_weights"] = rollout.engine.rpc("es_fingerprint", {})[0]["fingerprint"] == fingerprint(vl.model)
+    results["restored_weights"] = vl.weights.fingerprint() == fingerprint(vl.model)
 
     # CoPES through vLLM gives the transformers path's run
     copes = dict(es_search_space="copes", copes_groups=2)

@@ -14,14 +14,14 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from .sparse import check_same_architecture, update
+from .sparse import check_same_architecture, weight_delta
 
 
 def update_cosine(
     base: Mapping[str, torch.Tensor], a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]
 ) -> float:
     """cos(θ_a − θ_base, θ_b − θ_base) over all parameters, accumulated in float64."""
-    delta_a, delta_b = update(base, a), update(base, b)
+    delta_a, delta_b = weight_delta(base, a), weight_delta(base, b)
     dot = norm_a = norm_b = 0.0
     for name, da in delta_a.items():
         da, db = da.double(), delta_b[name].double()

@@ -3,8 +3,9 @@
     trl-es eval --model smollm2 --model outputs/es --task gsm8k --n 8 --k 1,4,8 --limit 50 --out-dir outputs/eval
 
 For each model, n completions are sampled per problem (transformers `generate`, the trainer's rollout backend) and
-scored by the task's reward (correct ⇔ reward ≥ 1, `trl_es.tasks`). Per problem: the unbiased Pass@K, Maj@K over
-the extracted answers and the completions' token entropy (`trl_es.metrics`); the model's scores are their means.
+scored by the task's reward (correct ⇔ reward ≥ `SUCCESS_THRESHOLD`, `trl_es.tasks`). Per problem: the unbiased
+Pass@K, Maj@K over the extracted answers and the completions' token entropy (`trl_es.metrics`); the model's scores
+are their means. `evaluate_batch` is the one evaluation loop: `ESTrainer.evaluate` runs it too.
 Problems are generated in fixed batches, each with its own seed, and every finished batch is appended to
 `<out-dir>/records/<model>.jsonl`: an interrupted evaluation resumes where it stopped and gives the same numbers.
 Writes `results.json`, prints the paper's tables (rows = models, columns = task × @K) and saves `pass_at_k.png`
@@ -21,9 +22,16 @@ import sys
 import time
 from collections.abc import Callable
 
+import torch
+
+from .es.seeds import eval_seed
 from .metrics import maj_at_k, pass_at_k
-from .tasks import Task, get_task
+from .tasks import SUCCESS_THRESHOLD, TASKS, Task, get_task
 from .tasks.data import completion_text
+
+
+RECORDS_FORMAT = 2
+"""Version of the records files: a file of another version is refused, not mixed in."""
 
 
 def score_problems(rows: list[dict], correct: list[bool], answers: list | None, n: int, k_values: list[int]) -> dict:
@@ -38,6 +46,40 @@ def score_problems(rows: list[dict], correct: list[bool], answers: list | None, 
             if answers is not None:
                 sums[f"maj@{k}"] += maj_at_k(answers[p * n : (p + 1) * n], verdicts, k)
     return sums
+
+
+def evaluate_batch(
+    rollout,
+    rows: list[dict],
+    n: int,
+    seed: int,
+    rewards_of: Callable,
+    k_values: list[int],
+    extract: Callable[[str], str | None] | None = None,
+    success_threshold: float = SUCCESS_THRESHOLD,
+    record_entropy: bool = True,
+) -> dict:
+    """One batch of problems: n completions per row from `rollout` (sampling seed `seed`), rewarded by
+    `rewards_of(rows, completions)` (a tensor, NaN = no reward); a completion is correct when its reward is ≥
+    `success_threshold`. Returns the batch's record: the problems' summed Pass@K (and Maj@K over the answers
+    `extract` finds), the sums of rewards, tokens and token entropies, and each completion's verdict and answer."""
+    prompts = [row["prompt"] for row in rows]
+    result = rollout.generate(prompts, rollout.tokenize(prompts), n, seed, record_entropy)
+    rewards = torch.as_tensor(rewards_of(rows, result), dtype=torch.float64)
+    correct = (rewards >= success_threshold).tolist()
+    answers = [extract(completion_text(c)) for c in result.completions] if extract else None
+    valid = ~rewards.isnan()
+    return {
+        "problems": len(rows),
+        **score_problems(rows, correct, answers, n, k_values),
+        "completions": len(correct),
+        "reward_sum": float(rewards[valid].sum()),
+        "rewards": int(valid.sum()),
+        "tokens": sum(map(len, result.completion_ids)),
+        "entropy_sum": sum(result.entropy_sums or [0.0]),
+        "correct": correct,
+        "answers": answers,
+    }
 
 
 def check_k(n: int, k_values: list[int]) -> list[int]:
@@ -79,7 +121,7 @@ def _model_name(path: str, taken: set[str]) -> str:
 
 
 def _load(path: str):
-    from .checkpoints import eos_token_ids, load_starting_model, load_tokenizer
+    from .loading import eos_token_ids, load_starting_model, load_tokenizer
     from .models import smollm2_dir
 
     path = smollm2_dir() if path == "smollm2" else path
@@ -103,10 +145,8 @@ def evaluate_model(
 ) -> dict:
     """Sample n completions per problem of `dataset` from the model at `model_path`, appending one JSON line per
     batch to `records_path` (resuming from the batches already there), and return the model's scores."""
-    import torch
     from transformers import GenerationConfig
 
-    from .es.noise import _hash64
     from .rollout import TransformersRollout
 
     done = _read_records(records_path, settings)
@@ -130,27 +170,17 @@ def evaluate_model(
             if b in done:
                 continue
             rows = dataset.select(range(b * batch_size, min((b + 1) * batch_size, len(dataset)))).to_list()
-            prompts = [row["prompt"] for row in rows]
             with torch.no_grad():
-                result = rollout.generate(
-                    prompts, rollout.tokenize(prompts), n, _hash64("eval", settings["seed"], b), record_entropy=True
+                record = evaluate_batch(
+                    rollout,
+                    rows,
+                    n,
+                    eval_seed(settings["seed"], 0, b * batch_size),
+                    task_rewards(task, n),
+                    k_values,
+                    task.extract_answer,
                 )
-            columns = {c: [row[c] for row in rows for _ in range(n)] for c in task.answer_columns}
-            rewards = task.reward(
-                prompts=result.prompts, completions=result.completions, completion_ids=result.completion_ids, **columns
-            )
-            correct = [r is not None and r >= 1.0 for r in rewards]
-            extract = task.extract_answer
-            answers = [extract(completion_text(c)) for c in result.completions] if extract else None
-            done[b] = {
-                "batch": b,
-                "problems": len(rows),
-                **score_problems(rows, correct, answers, n, k_values),
-                "tokens": sum(map(len, result.completion_ids)),
-                "entropy_sum": sum(result.entropy_sums),
-                "correct": correct,
-                "answers": answers,
-            }
+            done[b] = {"batch": b, **record}
             out.write(json.dumps(done[b]) + "\n")
             out.flush()
             finished = sum(r["problems"] for r in done.values())
@@ -160,6 +190,19 @@ def evaluate_model(
                 f"{time.perf_counter() - start:.0f} s, Pass@1 so far {running:.3f}"
             )
     return summarize_records(list(done.values()), k_values)
+
+
+def task_rewards(task: Task, n: int) -> Callable:
+    """`rewards_of(rows, completions)` for `evaluate_batch`: the task's reward (None → NaN) with its answer columns."""
+
+    def rewards_of(rows: list[dict], result) -> list[float]:
+        columns = {c: [row[c] for row in rows for _ in range(n)] for c in task.answer_columns}
+        rewards = task.reward(
+            prompts=result.prompts, completions=result.completions, completion_ids=result.completion_ids, **columns
+        )
+        return [float("nan") if r is None else r for r in rewards]
+
+    return rewards_of
 
 
 def _read_records(path: str, settings: dict) -> dict[int, dict]:
@@ -187,16 +230,15 @@ def _read_records(path: str, settings: dict) -> dict[int, dict]:
 
 
 def summarize_records(records: list[dict], k_values: list[int]) -> dict:
-    """Means over problems of Pass@K and Maj@K; mean token entropy and completion length over completions."""
-    problems = sum(r["problems"] for r in records)
-    tokens = sum(r["tokens"] for r in records)
-    completions = sum(len(r["correct"]) for r in records)
-    summary = {"problems": problems}
+    """Means over problems of Pass@K and Maj@K; mean reward, token entropy and completion length over completions."""
+    total = {key: sum(r[key] for r in records) for key in records[0] if key not in ("batch", "correct", "answers")}
+    summary = {"problems": total["problems"]}
     for key in [f"{m}@{k}" for m in ("pass", "maj") for k in k_values]:
-        if key in records[0]:
-            summary[key] = sum(r[key] for r in records) / problems
-    summary["mean_token_entropy"] = sum(r["entropy_sum"] for r in records) / max(tokens, 1)
-    summary["mean_completion_length"] = tokens / completions
+        if key in total:
+            summary[key] = total[key] / total["problems"]
+    summary["reward"] = total["reward_sum"] / total["rewards"] if total["rewards"] else float("nan")
+    summary["mean_token_entropy"] = total["entropy_sum"] / max(total["tokens"], 1)
+    summary["mean_completion_length"] = total["tokens"] / total["completions"]
     return summary
 
 
@@ -225,6 +267,7 @@ def evaluate(
         raise ValueError("give at least one model")
     dataset = load_problems(task_, split, source, limit)
     settings = {
+        "format": RECORDS_FORMAT,
         "task": task,
         "split": split or task_.eval_split,
         "source": source,
@@ -335,7 +378,7 @@ def main(argv: list[str] | None = None) -> dict:
         required=True,
         help="a model directory, checkpoint, PEFT adapter or id ('smollm2'); repeat for several",
     )
-    parser.add_argument("--task", required=True, help="gsm8k, math500, countdown, commonsenseqa, mbpp, small_sums")
+    parser.add_argument("--task", required=True, help=", ".join(TASKS))
     parser.add_argument("--n", type=int, default=8, help="completions sampled per problem")
     parser.add_argument("--k", default="1", help="comma-separated K values for Pass@K and Maj@K, each ≤ n")
     parser.add_argument("--split", default=None, help="the task's split (default: its evaluation split)")

@@ -1,27 +1,17 @@
-"""Splitting the population across processes, and the little that crosses the wire (DESIGN §2, "seeds and N scalars").
+"""What each evaluated member reports, and the step's metrics computed from it.
 
-Every process reads the same prompts and regenerates every member's noise from its seed. The population's
-slots (the unperturbed centre when `es_baseline="center"`, then members 0..N−1) are dealt round-robin: process r
-evaluates slots r, r+K, r+2K, … Each evaluated slot is summarised in one row of `SUMMARY` float64 numbers; the rows
-of all processes are summed with one all-reduce (each row has one non-zero contributor, so the sum is exact), and
-every process then applies the identical update. Logged metrics are computed from these rows with the same formulas
-whatever the number of processes, so 1 process and K processes log the same numbers.
+Each slot of the population (the centre, a member) is summarised in one row of float64 numbers (`summarize`); the
+rows of all processes are summed by one all-reduce (`trl_es.distributed`). Logged metrics are computed from these
+rows with the same formulas whatever the number of processes, so 1 process and K processes log the same numbers.
 """
 
 from __future__ import annotations
 
 import math
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from .metrics import js_diversity
-
-
-def local_slots(n_slots: int, process_index: int, num_processes: int) -> list[int]:
-    """The slots process `process_index` of `num_processes` evaluates (round-robin; none when index ≥ n_slots)."""
-    return list(range(process_index, n_slots, num_processes))
 
 
 def summary_width(n_functions: int, n_prompts: int) -> int:
@@ -52,27 +42,6 @@ def summarize(
         dtype=torch.float64,
     )
     return torch.cat([torch.tensor([member_reward], dtype=torch.float64), moments, tail, success.double()])
-
-
-def all_reduce_summaries(
-    summaries: torch.Tensor, failed: bool, device: torch.device, timeout_s: float
-) -> tuple[torch.Tensor, list[int]]:
-    """Sum every process's (slots, width) summaries and learn which processes failed, in one all-reduce.
-
-    Returns the summed summaries and the indices of the processes that reported a failure. In one process this is
-    the identity. Bytes exchanged per process: 8·(slots·width + K). Waiting longer than `timeout_s` raises a
-    RuntimeError (given here because Trainer does not pass `ddp_timeout` to gloo process groups on CPU).
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return summaries, [0] if failed else []
-    world, rank = dist.get_world_size(), dist.get_rank()
-    flags = torch.zeros(world, dtype=torch.float64)
-    flags[rank] = float(failed)
-    packed = torch.cat([summaries.flatten(), flags]).to(device)
-    dist.all_reduce(packed, async_op=True).wait(timeout=timedelta(seconds=timeout_s))
-    packed = packed.cpu()
-    failed_ranks = [r for r in range(world) if packed[summaries.numel() + r] != 0]
-    return packed[: summaries.numel()].view_as(summaries), failed_ranks
 
 
 def _mean_std(total: float, count: float, squares: float) -> tuple[float, float]:
@@ -109,3 +78,21 @@ def population_metrics(summaries: torch.Tensor, function_names: list[str], entro
 def population_diversity(summaries: torch.Tensor, n_prompts: int) -> float:
     """Verifier-projected JS diversity (`trl_es.metrics.js_diversity`) of the members' per-prompt success."""
     return js_diversity(summaries[:, summaries.shape[1] - n_prompts :])
+
+
+class DistanceFromStart:
+    """‖θ − θ₀‖/‖θ₀‖ (`es/rel_distance_from_start`), θ₀ the weights when it was made, over every k-th element of θ:
+    k keeps about `sample` elements (exact for smaller models)."""
+
+    def __init__(self, params: dict[str, torch.Tensor], sample: int = 1 << 20):
+        self.params = params
+        self.stride = max(1, sum(p.numel() for p in params.values()) // sample)
+        self.start = [p.detach().view(-1)[:: self.stride].to("cpu", torch.float32, copy=True) for p in params.values()]
+
+    def __call__(self) -> float:
+        diff = norm = 0.0
+        for p, start in zip(self.params.values(), self.start, strict=True):
+            now = p.detach().view(-1)[:: self.stride].float().cpu()
+            diff += float((now - start).square().sum())
+            norm += float(start.square().sum())
+        return (diff / norm) ** 0.5 if norm else 0.0

@@ -48,7 +48,7 @@ def check_same_architecture(base: Mapping[str, torch.Tensor], tuned: Mapping[str
             )
 
 
-def update(base: Mapping[str, torch.Tensor], tuned: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def weight_delta(base: Mapping[str, torch.Tensor], tuned: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Δ = tuned − base per tensor, in float32."""
     check_same_architecture(base, tuned)
     return {name: tuned[name].detach().float() - tensor.detach().float() for name, tensor in base.items()}
@@ -58,7 +58,7 @@ def update_statistics(
     base: Mapping[str, torch.Tensor], tuned: Mapping[str, torch.Tensor], taus: list[float] = (1e-3, 1.5e-3, 2e-3)
 ) -> dict:
     """Relative L2 ‖Δ‖/‖θ_base‖, nonzero count and share, s_τ for each τ: for the whole model and per tensor."""
-    delta = update(base, tuned)
+    delta = weight_delta(base, tuned)
     rows, totals = {}, {"numel": 0, "nonzero": 0, "delta_sq": 0.0, "base_sq": 0.0, **dict.fromkeys(taus, 0)}
     for name, d in delta.items():
         magnitude = d.abs()
@@ -102,7 +102,7 @@ def threshold_masks(
         raise ValueError(f"tau must be >= 0, got {tau}")
     if top_fraction is not None and not 0 < top_fraction <= 1:
         raise ValueError(f"top_fraction must be in (0, 1], got {top_fraction}")
-    magnitudes = {name: d.abs() for name, d in update(base, tuned).items()}
+    magnitudes = {name: d.abs() for name, d in weight_delta(base, tuned).items()}
     if top_fraction is not None:
         everything = torch.cat([m.flatten() for m in magnitudes.values()])
         k = max(1, math.ceil(top_fraction * everything.numel()))
@@ -210,3 +210,31 @@ def apply_delta(base: Mapping[str, torch.Tensor], path: str, force: bool = False
             continue
         target.view(-1)[positions.to(target.device)] = tensors[f"{name}.values"].to(target.device, target.dtype)
     return result
+
+
+def write_model_delta(model, output_dir: str, tau: float) -> dict[str, str] | None:
+    """Write `output_dir/sparse_delta.safetensors` for a trained `model` (|θ − θ_start| > τ, θ_start reloaded from
+    the model's own path) and return its statistics for the model card; None, with a warning, when the starting
+    weights cannot be loaded."""
+    import warnings
+
+    from trl.trainer.utils import get_config_model_id
+
+    base_path = get_config_model_id(model.config)
+    try:
+        base_model = type(model).from_pretrained(base_path, dtype=model.dtype)
+    except OSError as error:
+        warnings.warn(f"No sparse delta written: cannot load the starting weights at {base_path!r} ({error}).")
+        return None
+    base, tuned = dict(base_model.named_parameters()), dict(model.named_parameters())
+    path = os.path.join(output_dir, "sparse_delta.safetensors")
+    metadata = save_delta(path, base, tuned, threshold_masks(base, tuned, tau=tau), base_model=base_path, tau=tau)
+    total = update_statistics(base, tuned, [tau])["total"]
+    return {
+        "sparse delta": f"sparse_delta.safetensors, τ = {tau}",
+        "entries kept": f"{int(metadata['kept'])} (sparsity {float(metadata['sparsity']):.4%})",
+        "delta file size": f"{os.path.getsize(path) / 2**20:.2f} MiB",
+        "relative L2 ‖Δ‖/‖θ_start‖": f"{total['relative_l2']:.4g}",
+        "nonzero updates": f"{total['nonzero_share']:.2%}",
+        f"s_τ (share of nonzero |Δ| ≤ {tau})": f"{total['s_tau'][tau]:.2%}",
+    }

@@ -1,4 +1,4 @@
-"""Fitness shaping: population rewards R_1..R_N → the weights z_i of the ES update (DESIGN §2.4)."""
+"""Fitness shaping: population rewards R_1..R_N → the weights z_i of the ES update."""
 
 from __future__ import annotations
 

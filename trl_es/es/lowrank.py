@@ -20,7 +20,8 @@ import math
 
 import torch
 
-from .noise import _hash64
+from .seeds import lowrank_seed
+from .space import Direction, SearchSpace, directions
 from .update import update_coefficients
 
 
@@ -40,7 +41,7 @@ def lowrank_factors(
     if rank < 1:
         raise ValueError(f"rank must be at least 1, got {rank}")
     out_features, in_features = shape
-    generator = torch.Generator().manual_seed(_hash64("es-lowrank", seed, name))
+    generator = torch.Generator().manual_seed(lowrank_seed(seed, name))
     a = torch.randn(out_features, rank, generator=generator)
     b = torch.randn(in_features, rank, generator=generator)
     return a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype)
@@ -160,3 +161,48 @@ def lowrank_update(
         squared_norm += float(delta.square().sum())
         weight.copy_(weight.float() + delta)
     return squared_norm**0.5
+
+
+class LowRankSpace(SearchSpace):
+    """EGGROLL: member i's noise is a rank-r matrix per target `nn.Linear` weight, applied in the forward pass by a
+    `LowRankPopulation` (the weights are never written for a member); `members_per_call` members share one batched
+    generate call (default: all of this process's). Update: `lowrank_update` on the targets' weights."""
+
+    def __init__(
+        self,
+        targets: dict[str, torch.nn.Linear],
+        seed: int,
+        population_size: int,
+        sigma: float,
+        rank: int = 1,
+        antithetic: bool = False,
+        members_per_call: int | None = None,
+    ):
+        if not targets:
+            raise ValueError(
+                "es_search_space='lowrank' perturbs nn.Linear weights, and none is among the parameters ES selects "
+                "(es_parameter_patterns)"
+            )
+        self.targets, self.seed, self.population_size, self.sigma = targets, seed, population_size, sigma
+        self.rank, self.antithetic, self.per_call = rank, antithetic, members_per_call
+
+    def ask(self, step: int) -> list[Direction]:
+        return directions(self.seed, step, self.population_size, self.antithetic)
+
+    def members_per_call(self, n_local: int) -> int:
+        return self.per_call or n_local or 1
+
+    def evaluating(self, members: list[Direction | None], rows_per_member: int) -> LowRankPopulation:
+        perturbed = [m for m in members if m is not None]
+        rows, position = [], 0
+        for m in members:
+            rows.append(-1 if m is None else position)
+            position += m is not None
+        row_members = torch.tensor(rows).repeat_interleave(rows_per_member)
+        seeds, signs = [m.seed for m in perturbed], [m.sign for m in perturbed]
+        return LowRankPopulation(self.targets, seeds, signs, self.sigma, self.rank, row_members)
+
+    def tell(self, members: list[Direction], rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float):
+        weights = {name: module.weight.data for name, module in self.targets.items()}
+        pairs, n_valid = [(m.seed, m.sign) for m in members], int((~torch.isnan(rewards)).sum())
+        return {"es/update_norm": lowrank_update(weights, pairs, fitness, learning_rate, n_valid, self.rank)}

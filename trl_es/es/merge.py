@@ -18,9 +18,10 @@ reward; evaluating a candidate (generating with its merged weights, scoring it) 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import pickle
-import re
 from collections.abc import Mapping
 
 import cma
@@ -28,10 +29,9 @@ import numpy as np
 import torch
 from peft.utils.merge_utils import dare_ties
 
-from .noise import _hash64
-
-
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+from .params import layer_index
+from .seeds import merge_search_seed, merge_seed
+from .space import SearchSpace
 
 
 def task_vectors(
@@ -58,18 +58,9 @@ def task_vectors(
 def layer_groups(names: list[str]) -> dict[str, int]:
     """Parameter name → layer group: group i is the i-th smallest transformer layer index `layers.<n>.` found in
     the names, and the last group holds every other parameter (embeddings, final norm, lm_head) if there is any."""
-    layers = sorted({int(match.group(1)) for name in names if (match := _LAYER.search(name))})
+    layers = sorted({layer for name in names if (layer := layer_index(name)) is not None})
     index = {layer: i for i, layer in enumerate(layers)}
-    groups = {}
-    for name in names:
-        match = _LAYER.search(name)
-        groups[name] = index[int(match.group(1))] if match else len(layers)
-    return groups
-
-
-def merge_seed(seed: int, name: str) -> int:
-    """The torch seed of DARE's random pruning of parameter `name` in a merge with base `seed`."""
-    return _hash64("es-merge", seed, name)
+    return {name: index.get(layer_index(name), len(layers)) for name in names}
 
 
 @torch.no_grad()
@@ -135,7 +126,7 @@ class MergeSearch:
         seed: int = 0,
     ):
         self.shape = (n_vectors, n_groups)
-        options = {"seed": math.nan, "randn": _Randn(_hash64("es-merge-search", seed)), "verbose": -9}
+        options = {"seed": math.nan, "randn": _Randn(merge_search_seed(seed)), "verbose": -9}
         if popsize is not None:
             options["popsize"] = popsize
         self.es = cma.CMAEvolutionStrategy([init] * (n_vectors * n_groups), sigma0, options)
@@ -173,3 +164,67 @@ class MergeSearch:
         if es.N != self.shape[0] * self.shape[1]:
             raise ValueError(f"state has {es.N} coefficients, this search has {self.shape[0]}×{self.shape[1]}")
         self.es = es
+
+
+class MergeSpace(SearchSpace):
+    """Hyper-ES: the members are CMA-ES's candidate coefficients c; member c evaluates `merge(θ_start, τ, c)` written
+    into the weights (a `LocalWeights`); `tell` gives CMA-ES the members' rewards (a member without one counts as
+    the worst) and θ becomes the best merge found so far. The search state is checkpointed in `merge_search.pt`."""
+
+    STATE_FILE = "merge_search.pt"
+
+    def __init__(
+        self,
+        weights,
+        tuned: Mapping[str, Mapping[str, torch.Tensor]],
+        density: float = 0.5,
+        init: float = 1.0,
+        sigma0: float = 0.2,
+        popsize: int | None = None,
+        seed: int = 0,
+    ):
+        self.weights, self.density, self.seed = weights, density, seed
+        self.base = {name: p.detach().to("cpu", copy=True) for name, p in weights.params.items()}
+        for path, named in tuned.items():
+            missing = [name for name in self.base if name not in named]
+            if missing:
+                raise ValueError(
+                    f"merge model {path!r} lacks {missing[:3]}: it is not a fine-tuned version of this model"
+                )
+        self.vectors = task_vectors(
+            self.base, [{name: named[name].detach() for name in self.base} for named in tuned.values()]
+        )
+        self.groups = layer_groups(list(self.base))
+        self.search = MergeSearch(len(self.vectors), max(self.groups.values()) + 1, init, sigma0, popsize, seed)
+
+    def ask(self, step: int) -> list[torch.Tensor]:
+        return self.search.ask()  # the same on every process: CMA-ES is seeded
+
+    def merged(self, coefficients: torch.Tensor) -> dict[str, torch.Tensor]:
+        return merge(self.base, self.vectors, coefficients, self.groups, self.density, self.seed)
+
+    @contextlib.contextmanager
+    def evaluating(self, members: list[torch.Tensor | None], rows_per_member: int):
+        (member,) = members
+        if member is None:
+            self.weights.center()
+        else:
+            self.weights.write(self.merged(member))
+        yield
+
+    def tell(self, members: list[torch.Tensor], rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float):
+        rewards = rewards.clone()
+        rewards[rewards.isnan()] = rewards[~rewards.isnan()].min()
+        self.search.tell(members, rewards.tolist())
+        best, best_reward = self.search.best()
+        self.weights.write(self.merged(best), member=False)
+        return {"es/update_norm": self.weights.distance(), "es/merge_best_reward": best_reward}
+
+    def save_state(self, folder: str) -> None:
+        torch.save(self.search.state_dict(), os.path.join(folder, self.STATE_FILE))
+
+    def load_state(self, folder: str) -> None:
+        path = os.path.join(folder, self.STATE_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} is missing: this checkpoint was not saved by a Hyper-ES run")
+        self.search.load_state_dict(torch.load(path))

@@ -10,6 +10,16 @@ import torch
 from .noise import NoiseTable, member_noise
 
 
+LAYER = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
+"""A transformer layer's parameters: `model.layers.3.mlp.up_proj.weight` (Llama, Qwen…), `encoder.layer.3.…`."""
+
+
+def layer_index(name: str) -> int | None:
+    """The transformer layer a parameter belongs to (`…layers.<i>.…`), or None (embeddings, final norm, head)."""
+    match = LAYER.search(name)
+    return int(match.group(1)) if match else None
+
+
 def select_parameters(
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]], patterns: list[str] | None = None
 ) -> dict[str, torch.nn.Parameter]:
@@ -45,10 +55,10 @@ class ParameterSnapshot:
         }
 
     @torch.no_grad()
-    def capture(self) -> None:
-        """Take θ from the model."""
-        for name, p in self.params.items():
-            self.copies[name].copy_(p.detach())
+    def capture(self, names: Iterable[str] | None = None) -> None:
+        """Take θ from the model (the parameters `names`, default all)."""
+        for name in self.params if names is None else names:
+            self.copies[name].copy_(self.params[name].detach())
 
     @torch.no_grad()
     def restore(self, names: Iterable[str] | None = None) -> None:

@@ -7,15 +7,13 @@ own members: θ_g ← θ_g + α·(1/N_g)·Σ_{i: g(i)=g} z_i·ε_i,g.
 
 from __future__ import annotations
 
-import re
-
 import torch
 
-from .noise import _hash64
+from .params import layer_index
+from .seeds import partition_seed
 
 
 PARTITIONS = ("layer", "module", "random")
-_LAYER = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
 
 
 def _module_type(name: str) -> str:
@@ -38,13 +36,13 @@ def partition_parameters(names: list[str], k: int, rule: str = "layer", seed: in
         raise ValueError(f"CoPES needs at least one group, got {k}")
     groups: list[list[str]] = [[] for _ in range(k)]
     if rule == "layer":
-        layers = sorted({int(m.group(1)) for name in names if (m := _LAYER.search(name))})
+        layers = sorted({layer for name in names if (layer := layer_index(name)) is not None})
         block = {layer: position * k // len(layers) for position, layer in enumerate(layers)}
         others = 0
         for name in names:
-            match = _LAYER.search(name)
-            if match:
-                groups[block[int(match.group(1))]].append(name)
+            layer = layer_index(name)
+            if layer is not None:
+                groups[block[layer]].append(name)
             else:
                 groups[others % k].append(name)
                 others += 1
@@ -53,7 +51,7 @@ def partition_parameters(names: list[str], k: int, rule: str = "layer", seed: in
         for name in names:
             groups[types.index(_module_type(name)) % k].append(name)
     else:
-        order = torch.randperm(len(names), generator=torch.Generator().manual_seed(_hash64("copes", seed))).tolist()
+        order = torch.randperm(len(names), generator=torch.Generator().manual_seed(partition_seed(seed))).tolist()
         for position, index in enumerate(order):
             groups[position % k].append(names[index])
     empty = sum(not group for group in groups)

@@ -1,4 +1,4 @@
-"""The ES update θ ← θ + α·(1/N)·Σ_i z_i ε_i (Qiu et al. 2025 convention, DESIGN §2.5)."""
+"""The ES update θ ← θ + α·(1/N)·Σ_i z_i ε_i (Qiu et al. 2025 convention: α absorbs the 1/σ of the gradient estimate)."""
 
 from __future__ import annotations
 

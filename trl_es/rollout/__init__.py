@@ -1,7 +1,57 @@
-"""Generation backends: evaluate the model as it currently is on a batch of prompts, return completions."""
+"""Generation backends (evaluate the model as it currently is on a batch of prompts, return completions) and the
+weights backend each comes with: transformers `generate` on the trainer's own tensors, or vLLM (colocated or
+served) whose workers hold the members' weights."""
 
+from transformers import GenerationConfig
+
+from ..es.weights import LocalWeights
 from .transformers_generate import Rollout, TransformersRollout
-from .vllm_generate import VLLMRollout, require_vllm
+from .vllm_generate import VLLMRollout, VLLMWeights, require_vllm
 
 
-__all__ = ["Rollout", "TransformersRollout", "VLLMRollout", "require_vllm"]
+def generation_config(args, tokenizer, eos_token_ids: list[int]) -> GenerationConfig:
+    """The trainer's GenerationConfig from ESConfig's generation fields, as GRPOTrainer builds it."""
+    settings = {
+        "max_new_tokens": args.max_completion_length,
+        "do_sample": True,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": eos_token_ids,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        **(args.generation_kwargs or {}),  # they override the fields above
+    }
+    return GenerationConfig(**settings, disable_compile=True)
+
+
+def make_backend(model, tokenizer, eos_token_ids, args, accelerator, params, zero_stage):
+    """(generation backend, weights backend) for ESConfig's `use_vllm` / `vllm_mode`: transformers `generate` and
+    `LocalWeights` over `params`, or vLLM and `VLLMWeights` (the trainer's tensors take the same updates)."""
+    rollout_args = (model, tokenizer, generation_config(args, tokenizer, eos_token_ids), eos_token_ids)
+    local = LocalWeights(params, args.seed, args.noise_table_size, storage_device="cpu")
+    if not args.use_vllm:
+        return TransformersRollout(*rollout_args, args.chat_template_kwargs), local
+    require_vllm()
+    if zero_stage == 3:
+        raise ValueError("use_vllm=True needs θ whole on every process: use ZeRO-2 or none (ZeRO-3 partitions it)")
+    if args.vllm_mode == "server" and accelerator.num_processes > 1:
+        raise ValueError(
+            f"vllm_mode='server' with {accelerator.num_processes} processes: a server holds one member's weights at "
+            "a time, so one training process drives it. Use one process, or vllm_mode='colocate'."
+        )
+    rollout = VLLMRollout(*rollout_args, args.chat_template_kwargs, args, accelerator)
+    return rollout, VLLMWeights(local, rollout)
+
+
+__all__ = [
+    "Rollout",
+    "TransformersRollout",
+    "VLLMRollout",
+    "VLLMWeights",
+    "generation_config",
+    "make_backend",
+    "require_vllm",
+]

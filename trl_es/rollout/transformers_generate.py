@@ -55,6 +55,8 @@ class TransformersRollout:
     """Tokenizes prompts as GRPOTrainer does (chat template for conversational prompts, plain text otherwise),
     generates in one left-padded batch, and cuts each completion after its first EOS."""
 
+    records_entropy = True  # `generate(..., record_entropy=True)` gives each completion's token entropy
+
     def __init__(
         self,
         model: PreTrainedModel,

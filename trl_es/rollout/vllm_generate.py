@@ -25,8 +25,8 @@ import requests
 import torch
 from transformers import GenerationConfig
 
+from ..es.weights import LocalWeights
 from .transformers_generate import Rollout, TransformersRollout
-from .vllm_worker import weights_fingerprint
 
 
 WORKER_EXTENSION = "trl_es.rollout.vllm_worker.ESWorkerExtension"
@@ -181,7 +181,10 @@ class _Server:
 class VLLMRollout(TransformersRollout):
     """Generation through vLLM, plus the member's weights inside vLLM: `start` (θ and the noise table),
     `perturb` (θ + scale·ε(seed) over names), `restore` (θ), `update` (the ES update from seeds and coefficients).
-    Tokenization and the completions' form are the transformers backend's."""
+    Tokenization and the completions' form are the transformers backend's. vLLM returns no full next-token
+    distribution, so no token entropy."""
+
+    records_entropy = False
 
     def __init__(self, model, tokenizer, generation_config, eos_token_ids, chat_template_kwargs, args, accelerator):
         super().__init__(model, tokenizer, generation_config, eos_token_ids, chat_template_kwargs)
@@ -205,12 +208,13 @@ class VLLMRollout(TransformersRollout):
         self.tokenizer.save_pretrained(path)
         return path
 
-    def start(self, names: list[str], seed: int, noise_table_size: int, checkpoint: str | None = None) -> None:
+    def start(self, weights: LocalWeights, checkpoint: str | None = None) -> None:
         """Give vLLM θ (colocate: the trainer's tensors; server: the files of `checkpoint` when resuming, else of the
-        served model, checked bitwise against the trainer's θ) and the run's noise table."""
+        served model), checked bitwise against the trainer's θ (`weights`), and the run's noise table."""
+        names = list(weights.params)
         payload = {
-            "seed": seed,
-            "noise_table_size": noise_table_size,
+            "seed": weights.seed,
+            "noise_table_size": weights.table_size,
             "dtype": str(self.dtype).removeprefix("torch."),
             "names": names,
             "path": checkpoint,
@@ -223,7 +227,7 @@ class VLLMRollout(TransformersRollout):
         errors = [r["error"] for r in results if "error" in r]
         if errors:
             raise ValueError(f"vLLM cannot hold this model's ES parameters: {errors[0]}")
-        expected = weights_fingerprint(params, names)
+        expected = weights.fingerprint()
         if any(r["fingerprint"] != expected for r in results):
             served = getattr(self.engine, "model", None)
             raise ValueError(
@@ -260,3 +264,52 @@ class VLLMRollout(TransformersRollout):
         completion_ids = [ids for ids, _ in outputs]
         truncated = [reason == "length" for _, reason in outputs]
         return self.rollout(prompts, num_generations, completion_ids, truncated)
+
+
+class VLLMWeights:
+    """The weights backend (`trl_es.es.weights`) of vLLM generation: members are built inside vLLM's workers from
+    their seeds; the trainer's own tensors (`local`) stay at θ and take the same updates, checked against vLLM's by
+    the update's norm. vLLM receives θ at `start`, from the trainer's tensors or, when resuming a served run, from
+    the checkpoint's files."""
+
+    def __init__(self, local: LocalWeights, rollout: VLLMRollout):
+        self.local, self.rollout = local, rollout
+        self.started, self.checkpoint = False, None
+
+    def start(self) -> None:
+        if not self.started:
+            self.rollout.start(self.local, self.checkpoint)
+            self.started = True
+
+    def loaded(self, checkpoint: str) -> None:
+        """The trainer's weights were loaded from `checkpoint`: vLLM takes them at the next `start`."""
+        self.started, self.checkpoint = False, checkpoint
+
+    def release(self) -> None:
+        self.local.release()
+
+    def capture(self) -> None:
+        self.local.capture()
+
+    def member(self, seed: int, scale: float, names: list[str] | None = None) -> None:
+        self.rollout.perturb(seed, scale, names)
+
+    def center(self) -> None:
+        self.rollout.restore()
+
+    def restore(self) -> None:
+        self.local.restore()
+        self.rollout.restore()
+
+    def update(self, coefficients: dict[int, float], decay: float = 0.0, names: list[str] | None = None) -> float:
+        norm = self.local.update(coefficients, decay, names)
+        vllm_norm = self.rollout.update(coefficients, decay, names)
+        if abs(vllm_norm - norm) > 1e-5 * max(norm, 1e-12):
+            raise RuntimeError(
+                f"vLLM's update (‖Δθ‖ = {vllm_norm}) differs from the trainer's ({norm}): its weights no longer "
+                "follow the trainer's"
+            )
+        return norm
+
+    def fingerprint(self) -> str:
+        return self.rollout.engine.rpc("es_fingerprint", {})[0]["fingerprint"]

@@ -4,9 +4,9 @@ vLLM mixes this class into its worker (`worker_extension_cls`) and the trainer r
 `collective_rpc` (in process in colocate mode, over `POST /collective_rpc` of `vllm serve` in server mode, where
 arguments travel as JSON strings). Every tensor-parallel worker runs the same call.
 
-The worker keeps θ under the trainer's (Hugging Face) parameter names, in a `ParameterSnapshot`, and builds every
-member with the trainer's own arithmetic (`ParameterSnapshot.perturb`, `apply_update`), so the weights a member
-sends into vLLM are bitwise the HF path's perturbed parameters. They go into vLLM through its weight-loading path,
+The worker keeps θ under the trainer's (Hugging Face) parameter names in a `LocalWeights`, the trainer's own weights
+backend, and builds every member with it, so the weights a member sends into vLLM are bitwise the HF path's
+perturbed parameters. They go into vLLM through its weight-loading path,
 which maps HF names onto fused parameters (qkv_proj, gate_up_proj) and tensor-parallel shards:
 
 - on GPU (the fast path), `model.load_weights` of the changed tensors copies them into the parameters in place;
@@ -21,27 +21,12 @@ The trainer resets vLLM's prefix cache after each call that changes weights.
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import os
 
 import torch
 
-from ..es.noise import NoiseTable
-from ..es.params import ParameterSnapshot
-from ..es.update import apply_update
-
-
-def weights_fingerprint(weights: dict[str, torch.Tensor], names: list[str]) -> str:
-    """A hash of the bytes of `weights[name]` for `names` (in that order): equal only for bitwise-equal weights,
-    whatever device holds them."""
-    digest = hashlib.blake2b(digest_size=16)
-    for name in names:
-        tensor = weights[name].detach().contiguous()
-        digest.update(name.encode())
-        digest.update(str(tensor.dtype).encode())
-        digest.update(tensor.view(-1).view(torch.uint8).cpu().numpy().tobytes())
-    return digest.hexdigest()
+from ..es.weights import LocalWeights, weights_fingerprint
 
 
 class ESWorkerExtension:
@@ -71,61 +56,52 @@ class ESWorkerExtension:
             loader = get_model_loader(self.vllm_config.load_config)
             weights = loader.get_all_weights(self.vllm_config.model_config, model)
         dtype = getattr(torch, args["dtype"])
-        # The working tensors live where vLLM's weights do; θ stays on the host (ParameterSnapshot's copy).
+        # The working tensors live where vLLM's weights do; θ stays on the host (LocalWeights' exact copy).
         working = {name: tensor.detach().to(device, dtype, copy=True).contiguous() for name, tensor in weights}
         missing = [name for name in args["names"] if name not in working]
         if missing:
             return {"error": f"the served model has no weights named {missing[:3]} (it has {list(working)[:3]}…)"}
         self._es_names = list(args["names"])
-        self._es_snapshot = ParameterSnapshot(working, storage_device="cpu")
-        self._es_snapshot.capture()
-        self._es_table = NoiseTable(args["seed"], args["noise_table_size"], device)
+        self._es_weights = LocalWeights(working, args["seed"], args["noise_table_size"], storage_device="cpu")
+        self._es_weights.capture()
         self._es_push(set(working))  # vLLM may hold other weights (an earlier run's, on a server)
-        self._es_changed: set[str] = set()  # names vLLM holds away from θ
         return {"fingerprint": weights_fingerprint(working, self._es_names)}
 
     def es_perturb(self, payload: str) -> None:
         """vLLM's weights ← θ + scale·ε(seed) over `names` (default: all ES names), θ elsewhere."""
         args = json.loads(payload)
         names = args.get("names") or self._es_names
-        snapshot = self._es_snapshot
-        snapshot.restore(self._es_changed - set(names))
-        snapshot.perturb(self._es_table, args["seed"], args["scale"], names)
-        self._es_push(self._es_changed | set(names))
-        self._es_changed = set(names)
+        self._es_push(self._es_weights.member(args["seed"], args["scale"], names))
 
     def es_restore(self, payload: str) -> None:
         """vLLM's weights ← θ."""
-        if self._es_changed:
-            self._es_snapshot.restore(self._es_changed)
-            self._es_push(self._es_changed)
-            self._es_changed = set()
+        written = self._es_weights.center()
+        if written:
+            self._es_push(written)
 
     def es_update(self, payload: str) -> dict:
-        """θ ← θ + Σ_s c_s ε(s) − decay·θ over `names` (default: all ES names), with `apply_update` (the trainer's
-        function, so the same bits); vLLM then holds the new θ. `coefficients`: [[seed, c_s], ...].
+        """θ ← θ + Σ_s c_s ε(s) − decay·θ over `names` (default: all ES names), with the trainer's arithmetic (the
+        same bits); vLLM then holds the new θ. `coefficients`: [[seed, c_s], ...].
         Returns {"update_norm": ‖Δθ‖₂} for the trainer to check against its own update."""
         args = json.loads(payload)
         names = args.get("names") or self._es_names
-        snapshot = self._es_snapshot
-        snapshot.restore(self._es_changed)
+        weights = self._es_weights
+        written = weights.center() | set(names)
         coefficients = {int(seed): float(c) for seed, c in args["coefficients"]}
-        norm = apply_update(snapshot, self._es_table, coefficients, decay=args.get("decay", 0.0), names=names)
-        for name in names:
-            snapshot.copies[name].copy_(snapshot.params[name])
-        self._es_push(self._es_changed | set(names))
-        self._es_changed = set()
+        norm = weights.update(coefficients, decay=args.get("decay", 0.0), names=names)
+        weights.capture(names)
+        self._es_push(written)
         return {"update_norm": norm}
 
     def es_fingerprint(self, payload: str) -> dict:
         """{"fingerprint"} over the ES names of the weights vLLM holds now (θ, or the member's)."""
-        return {"fingerprint": weights_fingerprint(self._es_snapshot.params, self._es_names)}
+        return {"fingerprint": weights_fingerprint(self._es_weights.params, self._es_names)}
 
     @torch.no_grad()
     def _es_push(self, names: set[str]) -> None:
         """Write the working tensors `names` into vLLM's weights (module docstring: in place on GPU, a whole reload
         with repacking on CPU)."""
-        model, working = self.model_runner.model, self._es_snapshot.params
+        model, working = self.model_runner.model, self._es_weights.params
         if not self._es_repacked:
             model.load_weights([(name, working[name]) for name in names])
             return

@@ -2,7 +2,7 @@
 
 `TASKS[name]` bundles a task's loader, its reward, the columns the reward reads and, for Maj@K, its answer
 extractor. Every task's reward is ≥ 1 exactly when the answer is correct (format bonuses stay below 1), so
-"correct" means reward ≥ 1 for evaluation and for `ESConfig.success_threshold`'s default.
+"correct" means reward ≥ `SUCCESS_THRESHOLD` for evaluation and for `ESConfig.success_threshold`'s default.
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ from .countdown import countdown, countdown_reward
 from .gsm8k import gsm8k, gsm8k_reward
 from .math500 import math500, math_reward
 from .mbpp import mbpp, mbpp_reward
+
+
+SUCCESS_THRESHOLD = 1.0
+"""A completion is correct when its reward is at least this (every built-in task's contract)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,7 @@ def get_task(name: str) -> Task:
 
 
 __all__ = [
+    "SUCCESS_THRESHOLD",
     "TASKS",
     "Task",
     "choice_reward",

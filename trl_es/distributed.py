@@ -1,0 +1,118 @@
+"""Several processes: who evaluates which member, the one all-reduce per step, and θ under DeepSpeed ZeRO-3.
+
+Every process reads the same prompts and regenerates every member's noise from its seed. The step's slots (the
+unperturbed centre when `es_baseline="center"`, then members 0..N−1) are dealt round-robin: process r evaluates
+slots r, r+K, r+2K, … Each evaluated slot is summarised in one row of float64 numbers (`trl_es.population`); the rows
+of all processes are summed with one all-reduce (each row has one non-zero contributor, so the sum is exact), and
+every process then applies the identical update. What crosses the wire per step: seeds never, N rows of scalars.
+
+Under ZeRO-3, θ is partitioned across processes: a step gathers it (`full_parameters`), and after the update each
+process copies its slice back into its partition (`write_shards`). ZeRO-1/2 partition optimizer state and
+gradients, which ES does not have, so they run unwrapped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def local_slots(n_slots: int, process_index: int, num_processes: int) -> list[int]:
+    """The slots process `process_index` of `num_processes` evaluates (round-robin; none when index ≥ n_slots)."""
+    return list(range(process_index, n_slots, num_processes))
+
+
+def all_reduce_summaries(
+    summaries: torch.Tensor, failed: bool, device: torch.device, timeout_s: float
+) -> tuple[torch.Tensor, list[int]]:
+    """Sum every process's (slots, width) summaries and learn which processes failed, in one all-reduce.
+
+    Returns the summed summaries and the indices of the processes that reported a failure. In one process this is
+    the identity. Bytes exchanged per process: 8·(slots·width + K). Waiting longer than `timeout_s` raises a
+    RuntimeError (given here because Trainer does not pass `ddp_timeout` to gloo process groups on CPU).
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return summaries, [0] if failed else []
+    world, rank = dist.get_world_size(), dist.get_rank()
+    flags = torch.zeros(world, dtype=torch.float64)
+    flags[rank] = float(failed)
+    packed = torch.cat([summaries.flatten(), flags]).to(device)
+    dist.all_reduce(packed, async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+    packed = packed.cpu()
+    failed_ranks = [r for r in range(world) if packed[summaries.numel() + r] != 0]
+    return packed[: summaries.numel()].view_as(summaries), failed_ranks
+
+
+class Distribution:
+    """The trainer's processes (an Accelerate `accelerator`) and, under ZeRO-3, its partitioned θ."""
+
+    def __init__(self, accelerator, zero_stage: int | None, timeout_s: float):
+        self.accelerator, self.zero_stage, self.timeout_s = accelerator, zero_stage, timeout_s
+
+    def slots(self, n_slots: int) -> list[int]:
+        return local_slots(n_slots, self.accelerator.process_index, self.accelerator.num_processes)
+
+    def exchange(self, summaries: torch.Tensor, error: Exception | None, step: int) -> torch.Tensor:
+        """The one all-reduce of the step; raises this process's `error`, or an error naming the processes that
+        failed, after every process has heard of it (so none waits for the others)."""
+        accelerator = self.accelerator
+        try:
+            summaries, failed = all_reduce_summaries(summaries, error is not None, accelerator.device, self.timeout_s)
+        except RuntimeError as exc:  # torch.distributed timeouts and lost peers are RuntimeErrors
+            raise RuntimeError(
+                f"ES step {step}: process {accelerator.process_index} of {accelerator.num_processes} gave up waiting "
+                f"for the other processes' rewards (ddp_timeout={self.timeout_s} s): another process hung, died or "
+                "was killed. This process's weights are restored to the start of the step; resume from the last "
+                "checkpoint."
+            ) from exc
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(
+                f"ES step {step}: process(es) {failed} failed while evaluating their members (their traceback says "
+                "why); the weights are restored on every process."
+            )
+        return summaries
+
+    def prepare(self, model: torch.nn.Module, model_wrapped: torch.nn.Module) -> torch.nn.Module:
+        """The model as training runs it: under ZeRO-3 an inference engine (TRL's `prepare_deepspeed`, as for GRPO's
+        reference model) that partitions θ, otherwise the model itself on the device. Never DistributedDataParallel,
+        whose gradient buckets would cost a second copy of θ, nor a training engine, whose optimizer holds state."""
+        if self.zero_stage != 3:
+            model.to(self.accelerator.device)
+            return model_wrapped
+        if model_wrapped is not model:
+            return model_wrapped
+        from trl.models.utils import prepare_deepspeed
+
+        return prepare_deepspeed(model, self.accelerator)
+
+    def full_parameters(self, model: torch.nn.Module, model_wrapped: torch.nn.Module):
+        """Context in which every process holds all of θ. Under ZeRO-3 θ is gathered: through the engine with TRL's
+        `unwrap_model_for_generation` (which also lifts ZeRO-3's forward hooks), or, before the engine exists, with
+        DeepSpeed's `GatheredParameters` (parameters partitioned at load by `zero.Init`). Otherwise nothing to do."""
+        if self.zero_stage != 3:
+            return contextlib.nullcontext()
+        if model_wrapped is not model:
+            from trl.models.utils import unwrap_model_for_generation
+
+            return unwrap_model_for_generation(model_wrapped, self.accelerator)
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(model.parameters()))
+
+    @torch.no_grad()
+    def write_shards(self, params) -> None:
+        """ZeRO-3: copy this process's slice of each (gathered, changed) parameter into its partition, which is what
+        remains when θ is released. DeepSpeed partitions the flattened parameter evenly by rank."""
+        rank = self.accelerator.process_index
+        for p in params:
+            if not hasattr(p, "ds_tensor"):
+                continue
+            size = p.ds_tensor.numel()
+            start, end = rank * size, min((rank + 1) * size, p.ds_numel)
+            if end > start:
+                p.ds_tensor.data[: end - start].copy_(p.data.view(-1)[start:end])

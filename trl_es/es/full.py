@@ -1,0 +1,67 @@
+"""Full ES: member i evaluates θ + σ·ε_i over every selected parameter; with groups, cooperative subspaces (CoPES).
+
+Update (Qiu et al. 2025 convention): θ ← θ + α·(1/N)·Σ_i z_i ε_i − α·λ·θ, over the members with a reward.
+CoPES (`groups`, see `subspaces`): member i perturbs only group g(i) = i mod K (antithetic pairs: pair mod K), with
+σ·√K so that the population's total noise per step matches full ES, and group g is updated from its own members:
+θ_g ← θ_g + α·(1/N_g)·Σ_{i: g(i)=g} z_i ε_i,g.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .space import Direction, SearchSpace, directions
+from .subspaces import member_groups
+from .update import update_coefficients
+
+
+class FullSpace(SearchSpace):
+    """Gaussian members written into a weights backend (`trl_es.es.weights`): the trainer's tensors or vLLM's."""
+
+    def __init__(
+        self,
+        weights,
+        seed: int,
+        population_size: int,
+        sigma: float,
+        antithetic: bool = False,
+        weight_decay: float = 0.0,
+        groups: list[list[str]] | None = None,
+    ):
+        self.weights, self.seed, self.population_size = weights, seed, population_size
+        self.sigma, self.antithetic, self.weight_decay, self.groups = sigma, antithetic, weight_decay, groups
+
+    def ask(self, step: int) -> list[Direction]:
+        members = directions(self.seed, step, self.population_size, self.antithetic)
+        if self.groups is None:
+            return members
+        groups = member_groups(self.population_size, len(self.groups), self.antithetic)
+        return [Direction(m.seed, m.sign, g) for m, g in zip(members, groups, strict=True)]
+
+    @contextlib.contextmanager
+    def evaluating(self, members: list[Direction | None], rows_per_member: int):
+        (member,) = members
+        if member is None:
+            self.weights.center()
+        elif member.group is None:
+            self.weights.member(member.seed, member.sign * self.sigma)
+        else:
+            scale = self.sigma * len(self.groups) ** 0.5
+            self.weights.member(member.seed, member.sign * scale, self.groups[member.group])
+        yield
+
+    def tell(self, members: list[Direction], rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float):
+        decay, valid = learning_rate * self.weight_decay, ~torch.isnan(rewards)
+        pairs = [(m.seed, m.sign) for m in members]
+        if self.groups is None:
+            coefficients = update_coefficients(fitness, pairs, learning_rate, int(valid.sum()))
+            return {"es/update_norm": self.weights.update(coefficients, decay)}
+        squared = 0.0
+        for g, names in enumerate(self.groups):
+            own = [i for i, m in enumerate(members) if m.group == g]
+            n_valid = max(int(valid[own].sum()), 1)
+            coefficients = update_coefficients(fitness[own], [pairs[i] for i in own], learning_rate, n_valid)
+            squared += self.weights.update(coefficients, decay, names) ** 2
+        return {"es/update_norm": squared**0.5}

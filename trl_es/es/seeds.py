@@ -1,0 +1,63 @@
+"""Every seed of a run, derived from the run's `seed` (`ESConfig.seed`) by one stable hash.
+
+A seed is `derive_seed(tag, *parts)`: a 63-bit blake2b hash of the parts. Python's `hash` is salted per process, so
+it cannot be used: every process, and a later replay, must derive the same seeds. Each kind of randomness has its
+own tag, listed here, so no two of them ever share a stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+
+def derive_seed(*parts: object) -> int:
+    """A stable 63-bit seed from `parts` (joined as text)."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def member_seed(seed: int, step: int, index: int) -> int:
+    """seed(t, i): the seed of noise direction `index` at ES step `step`."""
+    return derive_seed("es-member", seed, step, index)
+
+
+def sampling_seed(seed: int, step: int, key: object) -> int:
+    """The sampling seed of one generate call of step `step`: `key` is "common" (common random numbers: every member
+    samples with the same seed), "center", or the index of the call's first member."""
+    return derive_seed("es-sampling", seed, step, key)
+
+
+def eval_seed(seed: int, step: int, first_problem: int) -> int:
+    """The sampling seed of an evaluation batch whose first problem is `first_problem` (its index in the evaluation
+    set), at training step `step` (0 for `trl-es eval`). Keyed by the problem, so K processes sample as one does."""
+    return derive_seed("es-eval", seed, step, first_problem)
+
+
+def noise_table_seed(seed: int) -> int:
+    """The seed of the shared noise table's values."""
+    return derive_seed("es-noise-table", seed)
+
+
+def window_seed(member: int, name: str) -> int:
+    """The seed of the offsets of parameter `name`'s noise windows for member seed `member`."""
+    return derive_seed("es-windows", member, name)
+
+
+def lowrank_seed(member: int, name: str) -> int:
+    """The seed of weight `name`'s low-rank factors A, B for member seed `member`."""
+    return derive_seed("es-lowrank", member, name)
+
+
+def partition_seed(seed: int) -> int:
+    """The seed of CoPES's random partition of the parameters."""
+    return derive_seed("copes", seed)
+
+
+def merge_seed(seed: int, name: str) -> int:
+    """The seed of DARE's random pruning of parameter `name` in a Hyper-ES merge."""
+    return derive_seed("es-merge", seed, name)
+
+
+def merge_search_seed(seed: int) -> int:
+    """The seed of CMA-ES's sampler in Hyper-ES."""
+    return derive_seed("es-merge-search", seed)

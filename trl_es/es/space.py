@@ -1,0 +1,65 @@
+"""The search-space protocol: what a member is, how the model evaluates it, and how the step's fitness moves θ.
+
+evosax's ask/tell shape. One ES step of the trainer reads
+
+    members = space.ask(step)                                  # the step's N members
+    with space.evaluating([member], rows_per_member): generate # for each of this process's members
+    ... all-reduce the rewards, shape them into fitness z ...
+    metrics = space.tell(members, rewards, fitness, α_t)       # the update; metrics["es/update_norm"] = ‖Δθ‖
+
+Implementations: `FullSpace` (full ES, and CoPES with parameter groups), `LowRankSpace` (EGGROLL),
+`MergeSpace` (Hyper-ES). A new search space is one new class; the trainer's step does not change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from .seeds import member_seed
+
+
+@dataclass(frozen=True)
+class Direction:
+    """A member's noise: sign·ε(seed), over CoPES group `group` (None: every parameter)."""
+
+    seed: int
+    sign: int = 1
+    group: int | None = None
+
+
+def directions(seed: int, step: int, population_size: int, antithetic: bool) -> list[Direction]:
+    """Member i's direction at step `step`: ε(seed(t, i)), or ±ε(seed(t, k)) for antithetic pair k = i // 2."""
+    if antithetic:
+        return [Direction(member_seed(seed, step, i // 2), 1 if i % 2 == 0 else -1) for i in range(population_size)]
+    return [Direction(member_seed(seed, step, i)) for i in range(population_size)]
+
+
+class SearchSpace:
+    """Base class of the search spaces (see the module docstring)."""
+
+    def ask(self, step: int) -> list:
+        """The step's members, in order; each is a value only this space reads."""
+        raise NotImplementedError
+
+    def members_per_call(self, n_local: int) -> int:
+        """How many of this process's `n_local` members one generate call evaluates together."""
+        return 1
+
+    def evaluating(self, members: list, rows_per_member: int) -> contextlib.AbstractContextManager:
+        """A context in which a generate call over `len(members)` blocks of `rows_per_member` rows gives block j
+        member `members[j]`'s completions (None: the unperturbed centre θ)."""
+        raise NotImplementedError
+
+    def tell(self, members: list, rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float) -> dict:
+        """Move θ with the members' shaped `fitness` (and raw `rewards`, NaN for none); the step's metrics, with
+        `es/update_norm` = ‖Δθ‖₂."""
+        raise NotImplementedError
+
+    def save_state(self, folder: str) -> None:
+        """Write the space's own state beyond the weights into a checkpoint folder (none by default)."""
+
+    def load_state(self, folder: str) -> None:
+        """Read what `save_state` wrote."""
