@@ -6,8 +6,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Task data: the first rows of the real benchmark files (tests/data/README.md), so no test depends on where the
-# machine keeps ../shared/data.
+# Task data: the first rows of the real benchmark files (tests/data/README.md), so no test needs the Hub.
 os.environ["TRL_ES_DATA"] = os.path.join(os.path.dirname(__file__), "data")
 
 import pytest  # noqa: E402

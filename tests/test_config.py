@@ -53,3 +53,15 @@ def test_defaults_follow_qiu_et_al_and_document_every_field(tmp_path):
     assert args.lr_scheduler_type == "constant" and args.remove_unused_columns is False
     own = [f for f in fields(ESConfig) if f.name in ESConfig.__dataclass_fields__ and f.metadata]
     assert all(f.metadata.get("help") for f in own)
+
+
+def test_every_es_field_is_documented_once_under_a_parameter_group():
+    """ESConfig's own fields (its additions and the TrainingArguments defaults it changes) each sit in exactly one
+    group of the docstring's Parameters section, with their help text."""
+    from trl_es.config import PARAMETER_GROUPS
+
+    own = set(ESConfig.__annotations__)
+    grouped = [name for names in PARAMETER_GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(own)
+    for name in own:
+        assert f"        {name} (`" in ESConfig.__doc__

@@ -1,6 +1,6 @@
 """K processes give the same model as one: real `accelerate launch` with 2 CPU processes (gloo), and faults.
 
-The launch line is the one that really starts two CPU processes here (MACHINE_NOTES.md): `--multi_gpu` with
+The launch line is the one that really starts two CPU processes (checked on a 2-core machine): `--multi_gpu` with
 `use_cpu=True` in the config; DeepSpeed runs from the shipped `examples/accelerate/deepspeed_zero*.yaml` with
 `DS_ACCELERATOR=cpu`. Each launch costs ~20 s of start-up (imports, gloo), hence `slow`.
 """

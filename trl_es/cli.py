@@ -27,15 +27,11 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+from .tasks import TASKS
 
-BUILTIN_REWARDS = (
-    "first_integer_reward",
-    "countdown_reward",
-    "gsm8k_reward",
-    "math_reward",
-    "choice_reward",
-    "mbpp_reward",
-)
+
+BUILTIN_REWARDS = {task.reward.__name__: task.reward for task in TASKS.values()}
+"""The built-in tasks' reward functions, by name."""
 
 
 @dataclass
@@ -49,8 +45,8 @@ class ESScriptArguments:
     dataset_name: str = field(
         default="small_sums",
         metadata={
-            "help": "A built-in task (small_sums, countdown, gsm8k, math500, commonsenseqa, mbpp), a local "
-            ".json/.jsonl/.csv/.parquet file, or a hub dataset id."
+            "help": f"A built-in task ({', '.join(TASKS)}), a local .json/.jsonl/.csv/.parquet file, or a hub "
+            "dataset id."
         },
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Dataset configuration name (hub datasets)."})
@@ -58,10 +54,8 @@ class ESScriptArguments:
     reward_funcs: list[str] = field(
         default_factory=lambda: ["first_integer_reward"],
         metadata={
-            "help": "Reward functions: built-in names (first_integer_reward, countdown_reward, gsm8k_reward, "
-            "math_reward, choice_reward, mbpp_reward, or TRL's "
-            "accuracy_reward, think_format_reward, reasoning_accuracy_reward) or dotted import paths "
-            "('my_lib.rewards.fn')."
+            "help": f"Reward functions: the built-in tasks' ({', '.join(BUILTIN_REWARDS)}), TRL's by name "
+            "(trl.rewards: accuracy_reward, think_format_reward, …) or dotted import paths ('my_lib.rewards.fn')."
         },
     )
     reward_model_name_or_path: str | None = field(
@@ -91,7 +85,7 @@ def load_reward_funcs(names: list[str], reward_model: str | None = None) -> list
     funcs = [reward_model] if reward_model else []
     for name in names:
         if name in BUILTIN_REWARDS:
-            funcs.append(getattr(importlib.import_module("trl_es.tasks"), name))
+            funcs.append(BUILTIN_REWARDS[name])
         elif hasattr(trl.rewards, name):
             funcs.append(getattr(trl.rewards, name))
         elif "." in name:
@@ -109,8 +103,6 @@ def load_reward_funcs(names: list[str], reward_model: str | None = None) -> list
 
 def load_train_dataset(name: str, config: str | None, split: str):
     from datasets import load_dataset
-
-    from .tasks import TASKS
 
     if name in TASKS:
         return TASKS[name].load(split)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+import textwrap
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from transformers import TrainingArguments
@@ -22,7 +23,7 @@ VLLM_MODES = ("colocate", "server")
 @dataclass
 class ESConfig(TrainingArguments):
     r"""
-    Configuration for [`ESTrainer`]: Evolution Strategies post-training (DESIGN.md §2).
+    Configuration for [`ESTrainer`]: Evolution Strategies post-training (docs/design.md).
 
     One ES step takes `per_device_train_batch_size` prompts, evaluates `population_size` members
     θ_i = θ + σ·ε_i on them (`num_generations` completions per prompt each), scores them with the reward functions,
@@ -35,6 +36,8 @@ class ESConfig(TrainingArguments):
 
     Defaults that differ from TrainingArguments: `learning_rate=5e-4`, `lr_scheduler_type="constant"`,
     `logging_steps=1`, `max_grad_norm=0`, `remove_unused_columns=False`.
+
+    Every field is checked at construction: a bad value raises a ValueError naming the field and the reason.
     """
 
     _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
@@ -275,8 +278,8 @@ class ESConfig(TrainingArguments):
     eval_task: str | None = field(
         default=None,
         metadata={
-            "help": "A built-in task (gsm8k, math500, countdown, commonsenseqa, small_sums) whose answer extractor "
-            "gives Maj@K at evaluation; without it only Pass@K is computed."
+            "help": "A built-in task (trl_es.tasks.TASKS) with an answer extractor, which gives Maj@K at evaluation "
+            "(every task but mbpp); without it only Pass@K is computed."
         },
     )
     success_threshold: float = field(
@@ -310,13 +313,19 @@ class ESConfig(TrainingArguments):
     )
 
     def __post_init__(self):
-        self._check_es_fields()
+        self._check_es_step()
+        self._check_search_space()
+        if self.use_vllm:
+            self._check_vllm()
+        self._check_generation_and_evaluation()
+        self._check_gradient_fields()
         super().__post_init__()
 
-    def _check_es_fields(self):
-        def refuse(name, why):
-            raise ValueError(f"ESConfig.{name}={getattr(self, name)!r} is invalid: {why}")
+    def _refuse(self, name: str, why: str):
+        raise ValueError(f"ESConfig.{name}={getattr(self, name)!r} is invalid: {why}")
 
+    def _check_es_step(self):
+        refuse = self._refuse
         if not isinstance(self.population_size, int) or self.population_size < 2:
             refuse("population_size", "ES needs at least 2 members to compare")
         if self.antithetic and self.population_size % 2:
@@ -331,49 +340,59 @@ class ESConfig(TrainingArguments):
             refuse("es_baseline", f"choose one of {BASELINES}")
         if self.noise_table_size < CHUNK:
             refuse("noise_table_size", f"it must hold at least one noise window ({CHUNK} values)")
-        if self.es_search_space not in SEARCH_SPACES:
+        if self.weight_decay < 0:
+            refuse("weight_decay", "must be ≥ 0")
+        if self.sparse_delta_tau is not None and not self.sparse_delta_tau >= 0:
+            refuse("sparse_delta_tau", "the magnitude threshold must be ≥ 0")
+
+    def _check_search_space(self):
+        refuse, space = self._refuse, self.es_search_space
+        if space not in SEARCH_SPACES:
             refuse("es_search_space", f"choose one of {SEARCH_SPACES}")
-        if self.es_search_space == "copes":
+        if space == "copes":
             if self.copes_partition not in PARTITIONS:
                 refuse("copes_partition", f"choose one of {PARTITIONS}")
             directions = self.population_size // 2 if self.antithetic else self.population_size
             if not 1 <= self.copes_groups <= directions:
                 refuse("copes_groups", f"every group needs a member: use 1..{directions} groups for this population")
-        if self.es_search_space == "lowrank":
+        if space == "lowrank":
             if self.lowrank_rank < 1:
                 refuse("lowrank_rank", "the rank must be ≥ 1")
             if self.lowrank_members_per_call is not None and self.lowrank_members_per_call < 1:
                 refuse("lowrank_members_per_call", "each call needs at least one member")
             if self.weight_decay:
                 refuse("weight_decay", "low-rank ES updates only along the members' low-rank directions")
-        if self.es_search_space == "merge":
+        if space == "merge":
             if not self.merge_models:
                 refuse("merge_models", "Hyper-ES merges task vectors: give at least one fine-tuned model")
             if not 0 < self.merge_density <= 1:
                 refuse("merge_density", "DARE keeps a share in (0, 1] of each task vector")
             if not self.merge_sigma > 0:
                 refuse("merge_sigma", "CMA-ES needs a step size > 0")
-        if self.use_vllm:
-            if self.vllm_mode not in VLLM_MODES:
-                refuse("vllm_mode", f"choose one of {VLLM_MODES}")
-            if self.vllm_enable_sleep_mode:
-                refuse(
-                    "vllm_enable_sleep_mode",
-                    "sleep mode frees vLLM's memory for a backward pass and an optimizer "
-                    "step; ES has neither and generates all the time",
-                )
-            if self.es_search_space in ("lowrank", "merge"):
-                refuse(
-                    "es_search_space",
-                    "vLLM takes members as seeded full-rank perturbations: use 'full' or 'copes' "
-                    "with use_vllm, or use_vllm=False",
-                )
-            if self.log_completion_entropy:
-                refuse("log_completion_entropy", "vLLM does not return the full next-token distribution")
-            if not 0 < self.vllm_gpu_memory_utilization <= 1:
-                refuse("vllm_gpu_memory_utilization", "a share of GPU memory in (0, 1]")
-        if self.sparse_delta_tau is not None and not self.sparse_delta_tau >= 0:
-            refuse("sparse_delta_tau", "the magnitude threshold must be ≥ 0")
+
+    def _check_vllm(self):
+        refuse = self._refuse
+        if self.vllm_mode not in VLLM_MODES:
+            refuse("vllm_mode", f"choose one of {VLLM_MODES}")
+        if self.vllm_enable_sleep_mode:
+            refuse(
+                "vllm_enable_sleep_mode",
+                "sleep mode frees vLLM's memory for a backward pass and an optimizer step; ES has neither and "
+                "generates all the time",
+            )
+        if self.es_search_space in ("lowrank", "merge"):
+            refuse(
+                "es_search_space",
+                "vLLM takes members as seeded full-rank perturbations: use 'full' or 'copes' with use_vllm, or "
+                "use_vllm=False",
+            )
+        if self.log_completion_entropy:
+            refuse("log_completion_entropy", "vLLM does not return the full next-token distribution")
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            refuse("vllm_gpu_memory_utilization", "a share of GPU memory in (0, 1]")
+
+    def _check_generation_and_evaluation(self):
+        refuse = self._refuse
         if self.num_generations < 1:
             refuse("num_generations", "each member needs at least one completion per prompt")
         if self.max_completion_length is None or self.max_completion_length < 1:
@@ -382,8 +401,6 @@ class ESConfig(TrainingArguments):
             refuse("temperature", "must be > 0 (for greedy decoding pass generation_kwargs={'do_sample': False})")
         if not 0 < self.top_p <= 1:
             refuse("top_p", "must be in (0, 1]")
-        if self.weight_decay < 0:
-            refuse("weight_decay", "must be ≥ 0")
         if self.reward_weights is not None and not all(math.isfinite(w) for w in self.reward_weights):
             refuse("reward_weights", "every weight must be a finite number")
         n_eval = self.num_generations_eval or self.num_generations
@@ -399,8 +416,11 @@ class ESConfig(TrainingArguments):
                 refuse("eval_task", f"choose a task with answers to vote on: {voting}")
         if not math.isfinite(self.success_threshold):
             refuse("success_threshold", "must be a finite number")
+
+    def _check_gradient_fields(self):
+        """TrainingArguments fields that only make sense with gradients: refused or ignored with a warning."""
         if self.gradient_accumulation_steps != 1:
-            refuse(
+            self._refuse(
                 "gradient_accumulation_steps",
                 "ES has no gradients to accumulate; use per_device_train_batch_size for more prompts per step",
             )
@@ -416,3 +436,52 @@ class ESConfig(TrainingArguments):
                 "estimate scaled by learning_rate.",
                 stacklevel=3,
             )
+
+
+PARAMETER_GROUPS = {
+    "Parameters that control the ES step": (
+        "population_size", "sigma", "learning_rate", "antithetic", "fitness_shaping", "es_baseline",
+        "common_generation_seed", "noise_table_size",
+    ),
+    "Parameters that control what a member perturbs (the search space)": (
+        "es_parameter_patterns", "es_adapter_only", "es_search_space", "copes_groups", "copes_partition",
+        "lowrank_rank", "lowrank_members_per_call", "merge_models", "merge_density", "merge_init", "merge_sigma",
+    ),
+    "Parameters that control the model": ("model_init_kwargs",),
+    "Parameters that control generation": (
+        "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+        "generation_kwargs", "chat_template_kwargs",
+    ),
+    "Parameters that control generation with vLLM": (
+        "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url",
+        "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_gpu_memory_utilization",
+        "vllm_max_model_length", "vllm_tensor_parallel_size", "vllm_enforce_eager",
+    ),
+    "Parameters that control the rewards": ("reward_weights",),
+    "Parameters that control logging and evaluation": (
+        "log_completions", "num_completions_to_print", "num_generations_eval", "eval_k", "eval_task",
+        "success_threshold", "log_completion_entropy", "log_population_diversity",
+    ),
+    "Parameters that control saving": ("sparse_delta_tau",),
+    "TrainingArguments fields whose default differs for ES": (
+        "lr_scheduler_type", "logging_steps", "max_grad_norm", "remove_unused_columns",
+    ),
+}  # fmt: skip
+"""ESConfig's own fields, grouped for its documentation as GRPOConfig groups its own."""
+
+
+def _parameters_section(config_class) -> str:
+    """The class docstring's "Parameters:" section, GRPOConfig's layout, written from each field's `help`."""
+    by_name, lines = {f.name: f for f in fields(config_class)}, ["    Parameters:"]
+    for title, names in PARAMETER_GROUPS.items():
+        lines += [f"        > {title}", ""]
+        for name in names:
+            f = by_name[name]
+            default = f.default_factory() if f.default is MISSING else f.default
+            lines.append(f"        {name} (`{f.type}`, defaults to `{default!r}`):")
+            lines += textwrap.wrap(f.metadata["help"], 108, initial_indent=" " * 12, subsequent_indent=" " * 12)
+        lines.append("")
+    return "\n".join(lines)
+
+
+ESConfig.__doc__ = f"{ESConfig.__doc__.rstrip()}\n\n{_parameters_section(ESConfig)}"

@@ -14,6 +14,7 @@ gradients, which ES does not have, so they run unwrapped.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from datetime import timedelta
 
 import torch
@@ -49,8 +50,14 @@ def all_reduce_summaries(
 class Distribution:
     """The trainer's processes (an Accelerate `accelerator`) and, under ZeRO-3, its partitioned θ."""
 
-    def __init__(self, accelerator, zero_stage: int | None, timeout_s: float):
+    def __init__(self, accelerator, zero_stage: int | None, timeout_s: float, n_slots: int):
         self.accelerator, self.zero_stage, self.timeout_s = accelerator, zero_stage, timeout_s
+        if accelerator.num_processes > n_slots:
+            warnings.warn(
+                f"{accelerator.num_processes} processes for {n_slots} evaluations per step (population and centre): "
+                f"{accelerator.num_processes - n_slots} processes will only wait. Use at most {n_slots} processes or "
+                "a larger population_size."
+            )
 
     def slots(self, n_slots: int) -> list[int]:
         return local_slots(n_slots, self.accelerator.process_index, self.accelerator.num_processes)

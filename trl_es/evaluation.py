@@ -189,7 +189,7 @@ def evaluate_model(
                 f"  {os.path.basename(records_path)[:-6]}: {finished}/{len(dataset)} problems, "
                 f"{time.perf_counter() - start:.0f} s, Pass@1 so far {running:.3f}"
             )
-    return summarize_records(list(done.values()), k_values)
+    return summarize_records(list(done.values()), k_values, maj=task.extract_answer is not None)
 
 
 def task_rewards(task: Task, n: int) -> Callable:
@@ -229,9 +229,14 @@ def _read_records(path: str, settings: dict) -> dict[int, dict]:
     return {record["batch"]: record for record in records[1:]}
 
 
-def summarize_records(records: list[dict], k_values: list[int]) -> dict:
-    """Means over problems of Pass@K and Maj@K; mean reward, token entropy and completion length over completions."""
-    total = {key: sum(r[key] for r in records) for key in records[0] if key not in ("batch", "correct", "answers")}
+def summarize_records(records: list[dict], k_values: list[int], maj: bool, reduce: Callable | None = None) -> dict:
+    """Means over problems of Pass@K (and Maj@K with `maj`); mean reward, token entropy and completion length over
+    completions. `reduce` sums the records' totals across processes (a float64 tensor in, the sum out): every
+    process must call it, with records or none."""
+    keys = [f"pass@{k}" for k in k_values] + [f"maj@{k}" for k in k_values if maj]
+    keys += ["problems", "completions", "reward_sum", "rewards", "tokens", "entropy_sum"]
+    totals = torch.tensor([sum(r[key] for r in records) for key in keys], dtype=torch.float64)
+    total = dict(zip(keys, (reduce(totals) if reduce else totals).tolist(), strict=True))
     summary = {"problems": total["problems"]}
     for key in [f"{m}@{k}" for m in ("pass", "maj") for k in k_values]:
         if key in total:

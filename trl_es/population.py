@@ -54,10 +54,21 @@ def _mean_std(total: float, count: float, squares: float) -> tuple[float, float]
     return mean, math.sqrt(max(squares - total * total / count, 0.0) / (count - 1))
 
 
-def population_metrics(summaries: torch.Tensor, function_names: list[str], entropy: bool = False) -> dict[str, float]:
-    """GRPOTrainer-named metrics (reward, reward_std, rewards/<f>/mean|std, completions/*) over the members' rows;
-    with `entropy`, also the mean token entropy of their completions (`completions/mean_token_entropy`, nats)."""
+def population_metrics(
+    summaries: torch.Tensor, function_names: list[str], entropy: bool = False, diversity_prompts: int | None = None
+) -> dict[str, float]:
+    """GRPOTrainer-named metrics (reward, reward_std, rewards/<f>/mean|std, completions/*) over the members' rows,
+    and the spread of the member rewards R_i (es/population_reward_min|max|std); with `entropy`, also the mean token
+    entropy of their completions (`completions/mean_token_entropy`, nats); with `diversity_prompts` (the step's
+    number of prompts), their JS diversity (`es/population_diversity`)."""
     metrics = {}
+    rewards = summaries[:, 0][~torch.isnan(summaries[:, 0])]
+    if rewards.numel():
+        metrics["es/population_reward_min"] = rewards.min().item()
+        metrics["es/population_reward_max"] = rewards.max().item()
+        metrics["es/population_reward_std"] = rewards.std(unbiased=False).item()
+    if diversity_prompts is not None:
+        metrics["es/population_diversity"] = population_diversity(summaries, diversity_prompts)
     for k, key in enumerate([None, *function_names]):
         total, count, squares = (float(summaries[:, 1 + 3 * k + j].sum()) for j in range(3))
         mean, std = _mean_std(total, count, squares)

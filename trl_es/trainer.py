@@ -4,13 +4,13 @@ One ES step (`_es_step`) reads top to bottom: the search space asks for the step
 its share of them (form the member, generate, score); one all-reduce gathers every member's rewards; they are shaped
 into fitness; the search space is told, which is the update; the step's metrics are logged. What a member is lives in
 the search space (`trl_es.es.space`), where its weights are written in the weights backend (`trl_es.es.weights`,
-vLLM's in `trl_es.rollout`), how processes share the work in `trl_es.distributed`. transformers' Trainer supplies
-data, logging, callbacks, checkpoints and the Hub; its optimizer is a placeholder that only carries α_t.
+vLLM's in `trl_es.rollout`), how processes share the work in `trl_es.distributed`, checkpoints and saving in
+`trl_es.saving`. transformers' Trainer supplies data, logging, callbacks, checkpoints and the Hub; its optimizer is a
+placeholder that only carries α_t.
 """
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from collections import defaultdict
@@ -20,28 +20,24 @@ from accelerate.data_loader import BatchSamplerShard
 from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-from transformers.utils import logging
 from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import get_config_model_id, identity, print_prompt_completions_sample
 
-from . import sparse
 from .config import ESConfig
 from .distributed import Distribution
-from .es import FullSpace, SearchSpace, partition_parameters, select_parameters, shape_fitness
-from .es.lowrank import LowRankSpace, lowrank_targets
+from .es import FullSpace, SearchSpace, select_parameters, shape_fitness
+from .es.lowrank import LowRankSpace
 from .es.seeds import eval_seed, sampling_seed
 from .evaluation import evaluate_batch, summarize_records
-from .loading import check_eval_dataset, check_prompt_dataset, load_starting_model, prepare_model
-from .population import DistanceFromStart, population_diversity, population_metrics, summarize, summary_width
+from .loading import check_eval_dataset, check_prompt_dataset, prepare_model
+from .population import DistanceFromStart, population_metrics, summarize, summary_width
 from .rewards import RewardFunctions
 from .rollout import make_backend
+from .saving import SavingMixin
 from .tasks import get_task
 
 
-logger = logging.get_logger(__name__)
-
-
-class ESTrainer(_BaseTrainer):
+class ESTrainer(SavingMixin, _BaseTrainer):
     """Evolution Strategies trainer with GRPOTrainer's arguments and their meaning.
 
     Each step evaluates `population_size` perturbed copies of the model on the step's prompts, scores their
@@ -136,8 +132,8 @@ class ESTrainer(_BaseTrainer):
         # build a training engine, save engine checkpoints and gather through it, none of which applies to ES.
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         self.is_deepspeed_enabled = False
-        self.distribution = Distribution(self.accelerator, zero_stage, args.ddp_timeout)
-        self._warn_idle_processes()
+        n_slots = args.population_size + (args.es_baseline == "center")
+        self.distribution = Distribution(self.accelerator, zero_stage, args.ddp_timeout, n_slots)
         self.model.add_model_tags(self._tag_names)
         self.reward_functions.to(self.accelerator.device)
         self.es_params = select_parameters(self.model.named_parameters(), args.es_parameter_patterns)
@@ -149,49 +145,19 @@ class ESTrainer(_BaseTrainer):
         self._metrics = defaultdict(list)
         self._last_completions = self._completions_step = None
 
-    def _warn_idle_processes(self) -> None:
-        n_slots, processes = (
-            self.args.population_size + (self.args.es_baseline == "center"),
-            self.accelerator.num_processes,
-        )
-        if processes > n_slots:
-            logger.warning(
-                f"{processes} processes for {n_slots} evaluations per step (population and centre): "
-                f"{processes - n_slots} processes will only wait. Use at most {n_slots} processes or a larger "
-                "population_size."
-            )
-
     def _make_search_space(self) -> SearchSpace:
-        """The search space `es_search_space` names (`trl_es.es.space`)."""
-        args, kind = self.args, self.args.es_search_space
-        common = dict(
-            seed=args.seed, population_size=args.population_size, sigma=args.sigma, antithetic=args.antithetic
-        )
+        """The search space `es_search_space` names (`trl_es.es.space`), built from ESConfig."""
+        kind, space = self.args.es_search_space, FullSpace
         if kind == "lowrank":
-            targets = lowrank_targets(self.model, self.es_params)
-            return LowRankSpace(
-                targets, rank=args.lowrank_rank, members_per_call=args.lowrank_members_per_call, **common
-            )
+            space = LowRankSpace
         if kind == "merge":
-            return self._make_merge_space()
-        groups = None
-        if kind == "copes":
-            groups = partition_parameters(list(self.es_params), args.copes_groups, args.copes_partition, args.seed)
-        return FullSpace(self.weights, weight_decay=args.weight_decay, groups=groups, **common)
-
-    def _make_merge_space(self) -> SearchSpace:
-        """Hyper-ES over the task vectors of `merge_models` against the starting weights."""
-        args = self.args
-        if self.distribution.zero_stage == 3:
-            raise ValueError("es_search_space='merge' holds the base and task vectors whole: use ZeRO-2 or none")
-        try:
-            from .es.merge import MergeSpace
-        except ImportError as error:
-            raise ImportError("es_search_space='merge' needs cma and peft: pip install 'trl-es[merge]'") from error
-        tuned = {path: dict(load_starting_model(path).named_parameters()) for path in args.merge_models}
-        return MergeSpace(
-            self.weights, tuned, args.merge_density, args.merge_init, args.merge_sigma, args.population_size, args.seed
-        )
+            if self.distribution.zero_stage == 3:
+                raise ValueError("es_search_space='merge' holds the base and task vectors whole: use ZeRO-2 or none")
+            try:
+                from .es.merge import MergeSpace as space
+            except ImportError as error:
+                raise ImportError("es_search_space='merge' needs cma and peft: pip install 'trl-es[merge]'") from error
+        return space.from_config(self.args, self.model, self.weights)
 
     # ---- Trainer plumbing -------------------------------------------------------------------------------------
 
@@ -224,21 +190,6 @@ class ESTrainer(_BaseTrainer):
     def _full_parameters(self):
         """Context in which this process holds all of θ (gathered under ZeRO-3)."""
         return self.distribution.full_parameters(self.model, self.model_wrapped)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        """Trainer's checkpoint loading (under ZeRO-3 into the gathered θ, keeping this process's slice), then the
-        weights backend and the search space take the checkpoint's state."""
-        with self._full_parameters():
-            super()._load_from_checkpoint(resume_from_checkpoint, model)
-            self.distribution.write_shards(self.model.parameters())
-        self.weights.loaded(resume_from_checkpoint)
-        self.space.load_state(resume_from_checkpoint)
-
-    def _save_checkpoint(self, model, trial):
-        """Trainer's checkpoint, plus the search space's own state."""
-        super()._save_checkpoint(model, trial)
-        if self.args.should_save:
-            self.space.save_state(f"{self._get_output_dir(trial)}/checkpoint-{self.state.global_step}")
 
     def floating_point_ops(self, inputs) -> int:
         return 0  # no forward/backward FLOPs in Trainer's sense
@@ -346,32 +297,18 @@ class ESTrainer(_BaseTrainer):
             per_call = self.space.members_per_call(len(mine))
             for start in range(0, len(mine), per_call):
                 part = mine[start : start + per_call]
-                key = (
-                    "common"
-                    if args.common_generation_seed
-                    else ("center" if part[0] < first_member else part[0] - first_member)
-                )
+                key = "center" if part[0] < first_member else part[0] - first_member  # the call's first slot
+                seed = sampling_seed(args.seed, step, "common" if args.common_generation_seed else key)
                 timer = time.perf_counter()
                 with self.space.evaluating([slots[s] for s in part], len(rows) * n):
                     times["noise"] += time.perf_counter() - timer
                     timer = time.perf_counter()
-                    rollout = self.rollout.generate(
-                        prompts * len(part),
-                        prompt_ids * len(part),
-                        n,
-                        sampling_seed(args.seed, step, key),
-                        args.log_completion_entropy,
-                    )
+                    batch = [prompts * len(part), prompt_ids * len(part)]
+                    rollout = self.rollout.generate(*batch, n, seed, args.log_completion_entropy)
                 self._metrics["es/time/generate"].extend([(time.perf_counter() - timer) / len(part)] * len(part))
                 for j, s in enumerate(part):
-                    self._score(
-                        s,
-                        slots[s] is None,
-                        step,
-                        rows,
-                        rollout.select(j * len(rows) * n, (j + 1) * len(rows) * n),
-                        summaries,
-                    )
+                    member_rollout = rollout.select(j * len(rows) * n, (j + 1) * len(rows) * n)
+                    self._score(s, slots[s] is None, step, rows, member_rollout, summaries)
         except Exception as exc:  # reported to the other processes by the all-reduce, then raised
             error = exc
         timer = time.perf_counter()
@@ -383,15 +320,8 @@ class ESTrainer(_BaseTrainer):
         """Score slot `s`'s completions and write its summary row: the member reward R (mean completion reward) and
         the rest `summarize` keeps. Keeps the completions table of this process's first member for `log`."""
         timer, extras = time.perf_counter(), defaultdict(list)
-        per_func = self.reward_functions(
-            [row for row in rows for _ in range(self.args.num_generations)],
-            rollout.prompts,
-            rollout.completions,
-            rollout.completion_ids,
-            trainer_state=self.state,
-            log_metric=lambda name, value: self._metrics[name].append(value),
-            log_extra=lambda column, values: extras[column].extend(values),
-        )
+        log_metric = lambda name, value: self._metrics[name].append(value)  # noqa: E731
+        per_func = self._rewards(rows, rollout, log_metric, lambda column, values: extras[column].extend(values))
         combined = self.reward_functions.combine(per_func)
         reward = combined.nanmean().item()
         self._metrics["es/time/reward"].append(time.perf_counter() - timer)
@@ -414,22 +344,12 @@ class ESTrainer(_BaseTrainer):
         args, metrics = self.args, self._metrics
         if center is not None:
             metrics["es/center_reward"].append(center)
-        names = self.reward_functions.names
-        for name, value in population_metrics(members, names, args.log_completion_entropy).items():
+        diversity = n_prompts if args.log_population_diversity else None
+        step = population_metrics(members, self.reward_functions.names, args.log_completion_entropy, diversity)
+        step |= {"es/sigma": args.sigma, **outcome, "es/rel_distance_from_start": self._distance()}
+        step |= {f"es/time/{name}": times[name] for name in ("noise", "update", "communication")}
+        for name, value in step.items():
             metrics[name].append(value)
-        if args.log_population_diversity:
-            metrics["es/population_diversity"].append(population_diversity(members, n_prompts))
-        rewards = members[:, 0][~torch.isnan(members[:, 0])]
-        if rewards.numel():
-            metrics["es/population_reward_min"].append(rewards.min().item())
-            metrics["es/population_reward_max"].append(rewards.max().item())
-            metrics["es/population_reward_std"].append(rewards.std(unbiased=False).item())
-        metrics["es/sigma"].append(args.sigma)
-        for name, value in outcome.items():
-            metrics[name].append(value)
-        metrics["es/rel_distance_from_start"].append(self._distance())
-        for name in ("noise", "update", "communication"):
-            metrics[f"es/time/{name}"].append(times[name])
 
     # ---- Evaluation ---------------------------------------------------------------------------------------------
 
@@ -447,28 +367,15 @@ class ESTrainer(_BaseTrainer):
         extract = get_task(args.eval_task).extract_answer if args.eval_task else None
         rank, world, size = accelerator.process_index, accelerator.num_processes, args.per_device_eval_batch_size
         rows, records = list(dataset)[rank::world], []
+        options = (args.eval_k, extract, args.success_threshold, self.rollout.records_entropy)
         self.weights.start()
         with self._full_parameters():
             for start in range(0, len(rows), size):
                 seed = eval_seed(args.seed, self.state.global_step, rank + start * world)  # the chunk's first problem
-                records.append(
-                    evaluate_batch(
-                        self.rollout,
-                        rows[start : start + size],
-                        n,
-                        seed,
-                        self._eval_rewards,
-                        args.eval_k,
-                        extract,
-                        args.success_threshold,
-                        self.rollout.records_entropy,
-                    )
-                )
-        keys = [f"pass@{k}" for k in args.eval_k] + ([f"maj@{k}" for k in args.eval_k] if extract else [])
-        keys += ["problems", "completions", "reward_sum", "rewards", "tokens", "entropy_sum"]
-        totals = torch.tensor([sum(r[key] for r in records) for key in keys], dtype=torch.float64)
-        totals = accelerator.reduce(totals.to(accelerator.device), "sum").cpu().tolist()
-        summary = summarize_records([dict(zip(keys, totals, strict=True))], args.eval_k)
+                rewards_of = lambda rows, rollout: self.reward_functions.combine(self._rewards(rows, rollout))  # noqa: E731
+                records.append(evaluate_batch(self.rollout, rows[start : start + size], n, seed, rewards_of, *options))
+        reduce = lambda totals: accelerator.reduce(totals.to(accelerator.device), "sum").cpu()  # noqa: E731
+        summary = summarize_records(records, args.eval_k, extract is not None, reduce)
         metrics = {f"{metric_key_prefix}_{key}": value for key, value in summary.items() if key != "problems"}
         if not self.rollout.records_entropy:
             del metrics[f"{metric_key_prefix}_mean_token_entropy"]
@@ -477,62 +384,15 @@ class ESTrainer(_BaseTrainer):
         self.control = self.callback_handler.on_evaluate(args, self.state, self.control, metrics)
         return metrics
 
-    def _eval_rewards(self, rows: list[dict], rollout) -> torch.Tensor:
-        per_func = self.reward_functions(
-            [row for row in rows for _ in range(len(rollout.completions) // len(rows))],
+    def _rewards(self, rows: list[dict], rollout, log_metric=lambda *_: None, log_extra=lambda *_: None):
+        """Each reward function's rewards of `rollout`'s completions (GRPOTrainer's contract: `trl_es.rewards`)."""
+        repeats = len(rollout.completions) // len(rows)
+        return self.reward_functions(
+            [row for row in rows for _ in range(repeats)],
             rollout.prompts,
             rollout.completions,
             rollout.completion_ids,
             trainer_state=self.state,
-            log_metric=lambda *_: None,
-            log_extra=lambda *_: None,
+            log_metric=log_metric,
+            log_extra=log_extra,
         )
-        return self.reward_functions.combine(per_func)
-
-    # ---- Saving -----------------------------------------------------------------------------------------------
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Save the model with HF names (the main process writes; under ZeRO-3 every process takes part in
-        gathering θ, so call it on every process, as Trainer does)."""
-        output_dir = output_dir or self.args.output_dir
-        with self._full_parameters():
-            super().save_model(output_dir, _internal_call)
-            if self.args.sparse_delta_tau is not None and not _internal_call and self.args.should_save:
-                self._sparse_delta_card = sparse.write_model_delta(self.model, output_dir, self.args.sparse_delta_tau)
-        if not _internal_call and os.path.abspath(output_dir) == os.path.abspath(self.args.output_dir):
-            self.create_model_card()
-
-    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """TRL's model card (tags trl, trl-es, evolution-strategies) plus the base model and ES settings."""
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
-        if not self.is_world_process_zero():
-            return
-        args = self.args
-        settings = {
-            "base model": get_config_model_id(self.model.config),
-            **{name: getattr(args, name) for name in MODEL_CARD_FIELDS},
-            "prompts per step": args.per_device_train_batch_size,
-            "steps": self.state.global_step,
-            "reward functions": ", ".join(self.reward_functions.names),
-            **(getattr(self, "_sparse_delta_card", None) or {}),
-        }
-        rows = "\n".join(f"| {k} | `{v}` |" for k, v in settings.items())
-        with open(f"{args.output_dir}/README.md", "a", encoding="utf-8") as card:
-            card.write(f"\n## Evolution Strategies settings\n\n| setting | value |\n|---|---|\n{rows}\n")
-
-
-MODEL_CARD_FIELDS = (
-    "es_search_space",
-    "population_size",
-    "sigma",
-    "learning_rate",
-    "antithetic",
-    "fitness_shaping",
-    "es_baseline",
-    "common_generation_seed",
-    "es_parameter_patterns",
-    "weight_decay",
-    "num_generations",
-    "seed",
-)
-"""The ESConfig fields the model card lists."""

@@ -13,7 +13,7 @@ import contextlib
 import torch
 
 from .space import Direction, SearchSpace, directions
-from .subspaces import member_groups
+from .subspaces import member_groups, partition_parameters
 from .update import update_coefficients
 
 
@@ -32,6 +32,15 @@ class FullSpace(SearchSpace):
     ):
         self.weights, self.seed, self.population_size = weights, seed, population_size
         self.sigma, self.antithetic, self.weight_decay, self.groups = sigma, antithetic, weight_decay, groups
+
+    @classmethod
+    def from_config(cls, args, model, weights) -> FullSpace:
+        """From ESConfig: full ES, or CoPES with `copes_groups` groups by `copes_partition` (`es_search_space`)."""
+        groups = None
+        if args.es_search_space == "copes":
+            groups = partition_parameters(list(weights.params), args.copes_groups, args.copes_partition, args.seed)
+        common = (args.seed, args.population_size, args.sigma, args.antithetic)
+        return cls(weights, *common, weight_decay=args.weight_decay, groups=groups)
 
     def ask(self, step: int) -> list[Direction]:
         members = directions(self.seed, step, self.population_size, self.antithetic)

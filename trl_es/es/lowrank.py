@@ -186,6 +186,12 @@ class LowRankSpace(SearchSpace):
         self.targets, self.seed, self.population_size, self.sigma = targets, seed, population_size, sigma
         self.rank, self.antithetic, self.per_call = rank, antithetic, members_per_call
 
+    @classmethod
+    def from_config(cls, args, model, weights) -> LowRankSpace:
+        """From ESConfig: the model's `nn.Linear` weights among those ES selects, rank `lowrank_rank`."""
+        common = (args.seed, args.population_size, args.sigma, args.lowrank_rank, args.antithetic)
+        return cls(lowrank_targets(model, weights.params), *common, args.lowrank_members_per_call)
+
     def ask(self, step: int) -> list[Direction]:
         return directions(self.seed, step, self.population_size, self.antithetic)
 

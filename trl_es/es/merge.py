@@ -197,6 +197,15 @@ class MergeSpace(SearchSpace):
         self.groups = layer_groups(list(self.base))
         self.search = MergeSearch(len(self.vectors), max(self.groups.values()) + 1, init, sigma0, popsize, seed)
 
+    @classmethod
+    def from_config(cls, args, model, weights) -> MergeSpace:
+        """From ESConfig: the task vectors of `merge_models` (loaded as training loads a starting model)."""
+        from ..loading import load_starting_model
+
+        tuned = {path: dict(load_starting_model(path).named_parameters()) for path in args.merge_models}
+        settings = (args.merge_density, args.merge_init, args.merge_sigma, args.population_size, args.seed)
+        return cls(weights, tuned, *settings)
+
     def ask(self, step: int) -> list[torch.Tensor]:
         return self.search.ask()  # the same on every process: CMA-ES is seeded
 

@@ -40,6 +40,11 @@ def directions(seed: int, step: int, population_size: int, antithetic: bool) -> 
 class SearchSpace:
     """Base class of the search spaces (see the module docstring)."""
 
+    @classmethod
+    def from_config(cls, args, model: torch.nn.Module, weights) -> SearchSpace:
+        """The space ESConfig `args` describes, over `model` and its weights backend (`trl_es.es.weights`)."""
+        raise NotImplementedError
+
     def ask(self, step: int) -> list:
         """The step's members, in order; each is a value only this space reads."""
         raise NotImplementedError

@@ -1,6 +1,6 @@
 """Small sums: "What is a + b?" with a, b in 1..12, the demo task.
 
-Chosen from a calibration run (MACHINE_NOTES.md): SmolLM2-135M-Instruct gets a few of these right (3/64 held
+Chosen from a calibration run: SmolLM2-135M-Instruct gets a few of these right (3/64 held
 out), so the population's rewards differ and ES has a signal; on two-digit sums it scores 0 and ES learns nothing.
 The 144 pairs are shuffled with a fixed seed into disjoint pools: 64 for training and 64 held out.
 """

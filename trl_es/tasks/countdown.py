@@ -1,8 +1,8 @@
-"""Countdown (3–4 numbers), generated here with a fixed seed as `../shared/data/countdown.md` §6 proposes.
+"""Countdown (3–4 numbers), generated here with a fixed seed, following the ES paper's Countdown setup.
 
 Instances: n ∈ {3, 4}, target ~ U{10..100}, numbers ~ U{1..99} with replacement, re-drawn until an exhaustive search
 finds a solution under Stream-of-Search's integer rules (a+b, a·b, |a−b|, exact division). Prompt: the ES paper's
-raw-text template (§3a). Reward (§4a, on the completion only): 0.1 × format reward + answer reward, where the answer
+raw-text template. Reward (on the completion only): 0.1 × format reward + answer reward, where the answer
 — the last `<answer>…</answer>` — must use each given number exactly once and equal the target. The expression is
 evaluated by walking its syntax tree (numbers, + − × ÷, parentheses only), never with `eval()`.
 """

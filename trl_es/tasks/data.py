@@ -1,9 +1,8 @@
 """Where task data comes from: a local file, a hub id, or the repository's copy of the benchmark files.
 
-`local_data("gsm8k/test.jsonl", hub_id="openai/gsm8k")` looks for the file under `$TRL_ES_DATA`, else under
-`../shared/data` next to this repository's checkout, and returns its path; without a local copy it returns the hub
-id, which `load_rows` hands to `datasets.load_dataset` (no Hub access on our own machines: tests and CI use local
-files).
+`local_data("gsm8k/test.jsonl", hub_id="openai/gsm8k")` looks for the file under `$TRL_ES_DATA` and returns its
+path; without a local copy it returns the hub id, which `load_rows` hands to `datasets.load_dataset`. The tests point
+`TRL_ES_DATA` at the repository's `tests/data` (the first rows of the real files), so they need no Hub access.
 """
 
 from __future__ import annotations
@@ -14,19 +13,14 @@ from pathlib import Path
 from datasets import Dataset, load_dataset
 
 
-_REPOSITORY_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 _FILE_SUFFIXES = (".json", ".jsonl")
 
 
-def data_root() -> Path:
-    """`$TRL_ES_DATA`, else `../shared/data` beside the checkout holding this package."""
-    return Path(os.environ["TRL_ES_DATA"]) if os.environ.get("TRL_ES_DATA") else _REPOSITORY_DATA
-
-
 def local_data(relative: str, hub_id: str) -> str:
-    """The local copy `data_root()/relative` when it exists, else `hub_id`."""
-    path = data_root() / relative
-    return str(path) if path.is_file() else hub_id
+    """The local copy `$TRL_ES_DATA/relative` when it exists, else `hub_id`."""
+    root = os.environ.get("TRL_ES_DATA")
+    path = Path(root) / relative if root else None
+    return str(path) if path is not None and path.is_file() else hub_id
 
 
 def load_rows(source: str, split: str, hub_config: str | None = None) -> Dataset:

@@ -1,0 +1,70 @@
+"""How ESTrainer writes and reads what outlives a run: checkpoints, the saved model, its model card.
+
+A mixin of `ESTrainer` over transformers' Trainer: Trainer writes the weights, trainer state, scheduler and RNG
+states; ESTrainer adds the search space's own state to each checkpoint, gathers θ under ZeRO-3 to save or load it,
+hands a loaded checkpoint to the weights backend (vLLM takes it at its next start), and appends the ES settings to
+TRL's model card (plus the sparse delta's statistics with `sparse_delta_tau`).
+"""
+
+from __future__ import annotations
+
+import os
+
+from trl.trainer.utils import get_config_model_id
+
+from . import sparse
+
+
+MODEL_CARD_FIELDS = (
+    "es_search_space", "population_size", "sigma", "learning_rate", "antithetic", "fitness_shaping", "es_baseline",
+    "common_generation_seed", "es_parameter_patterns", "weight_decay", "num_generations", "seed",
+)  # fmt: skip
+"""The ESConfig fields the model card lists."""
+
+
+class SavingMixin:
+    """Checkpoints, `save_model` and the model card of `ESTrainer` (see the module docstring)."""
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        """Trainer's checkpoint loading (under ZeRO-3 into the gathered θ, keeping this process's slice), then the
+        weights backend and the search space take the checkpoint's state."""
+        with self._full_parameters():
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+            self.distribution.write_shards(self.model.parameters())
+        self.weights.loaded(resume_from_checkpoint)
+        self.space.load_state(resume_from_checkpoint)
+
+    def _save_checkpoint(self, model, trial):
+        """Trainer's checkpoint, plus the search space's own state."""
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            self.space.save_state(os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}"))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Save the model with HF names (the main process writes; under ZeRO-3 every process takes part in
+        gathering θ, so call it on every process, as Trainer does)."""
+        output_dir = output_dir or self.args.output_dir
+        with self._full_parameters():
+            super().save_model(output_dir, _internal_call)
+            if self.args.sparse_delta_tau is not None and not _internal_call and self.args.should_save:
+                self._sparse_delta_card = sparse.write_model_delta(self.model, output_dir, self.args.sparse_delta_tau)
+        if not _internal_call and os.path.abspath(output_dir) == os.path.abspath(self.args.output_dir):
+            self.create_model_card()
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's model card (tags trl, trl-es, evolution-strategies) plus the base model and ES settings."""
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        if not self.is_world_process_zero():
+            return
+        args = self.args
+        settings = {
+            "base model": get_config_model_id(self.model.config),
+            **{name: getattr(args, name) for name in MODEL_CARD_FIELDS},
+            "prompts per step": args.per_device_train_batch_size,
+            "steps": self.state.global_step,
+            "reward functions": ", ".join(self.reward_functions.names),
+            **(getattr(self, "_sparse_delta_card", None) or {}),
+        }
+        rows = "\n".join(f"| {k} | `{v}` |" for k, v in settings.items())
+        with open(os.path.join(args.output_dir, "README.md"), "a", encoding="utf-8") as card:
+            card.write(f"\n## Evolution Strategies settings\n\n| setting | value |\n|---|---|\n{rows}\n")
