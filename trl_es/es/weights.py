@@ -1,7 +1,7 @@
 """Weights backends: where a member's weights are written. This module holds the interface's reference, the trainer's
 own tensors (`LocalWeights`); `trl_es.rollout.vllm_generate.VLLMWeights` writes members into vLLM's workers.
 
-A backend holds θ and the step's state and answers:
+A backend holds θ (`params`: the trainer's parameters ES moves, by name) and the step's state, and answers:
 
 - `start()`: be ready to generate with θ (vLLM: receive it, once); `loaded(checkpoint)`: θ was loaded from a
   checkpoint; `release()`: free the step's buffers (the end of training);

@@ -273,7 +273,7 @@ class VLLMWeights:
     the checkpoint's files."""
 
     def __init__(self, local: LocalWeights, rollout: VLLMRollout):
-        self.local, self.rollout = local, rollout
+        self.local, self.rollout, self.params = local, rollout, local.params
         self.started, self.checkpoint = False, None
 
     def start(self) -> None:
