@@ -57,6 +57,28 @@ def _as_reward(value: Any, func_name: str, index: int) -> float:
     )
 
 
+def _reward_tokenizers(funcs: list, classes, trust_remote_code: bool) -> list:
+    """One tokenizer per reward model (given in `classes`, else the model's own, with a pad token), None for
+    callables; each reward model is put in eval mode with that pad token."""
+    classes = [None] * len(funcs) if classes is None else classes if isinstance(classes, list) else [classes]
+    if len(classes) != len(funcs):
+        raise ValueError(
+            f"The number of reward processing classes ({len(classes)}) must match the number of reward functions "
+            f"({len(funcs)})."
+        )
+    for i, func in enumerate(funcs):
+        if isinstance(func, PreTrainedModel):
+            if classes[i] is None:
+                classes[i] = AutoTokenizer.from_pretrained(
+                    get_config_model_id(func.config), trust_remote_code=trust_remote_code
+                )
+            if classes[i].pad_token_id is None:
+                classes[i].pad_token = classes[i].eos_token
+            func.config.get_text_config().pad_token_id = classes[i].pad_token_id
+            func.eval()
+    return classes
+
+
 class RewardFunctions:
     """Loads reward functions as GRPOTrainer does and scores completions with them."""
 
@@ -94,27 +116,7 @@ class RewardFunctions:
             )
         self.weights = torch.tensor(reward_weights or [1.0] * len(funcs), dtype=torch.float32)
 
-        if reward_processing_classes is None:
-            reward_processing_classes = [None] * len(funcs)
-        elif not isinstance(reward_processing_classes, list):
-            reward_processing_classes = [reward_processing_classes]
-        if len(reward_processing_classes) != len(funcs):
-            raise ValueError(
-                f"The number of reward processing classes ({len(reward_processing_classes)}) must match the number "
-                f"of reward functions ({len(funcs)})."
-            )
-        for i, func in enumerate(funcs):
-            if isinstance(func, PreTrainedModel):
-                if reward_processing_classes[i] is None:
-                    reward_processing_classes[i] = AutoTokenizer.from_pretrained(
-                        get_config_model_id(func.config), trust_remote_code=trust_remote_code
-                    )
-                tokenizer = reward_processing_classes[i]
-                if tokenizer.pad_token_id is None:
-                    tokenizer.pad_token = tokenizer.eos_token
-                func.config.get_text_config().pad_token_id = tokenizer.pad_token_id
-                func.eval()
-        self.processing_classes = reward_processing_classes
+        self.processing_classes = _reward_tokenizers(funcs, reward_processing_classes, trust_remote_code)
         self.chat_template_kwargs = chat_template_kwargs or {}
 
         self._loop = None
