@@ -79,7 +79,8 @@ def test_fork_bomb_fails_and_leaves_no_process():
 
 def test_files_cannot_be_deleted(tmp_path):
     private = tmp_path / "private"  # under pytest's root-only directory
-    public = tempfile.mkdtemp()  # a world-readable directory, like a checkout
+    # a world-readable directory, like a checkout (outside the temporary directories, which the program sees empty)
+    public = tempfile.mkdtemp(prefix="trl_es_test_", dir="/")
     os.chmod(public, 0o755)
     try:
         for directory in (str(private), public):

@@ -1,25 +1,30 @@
 """Run model-written Python in a separate, limited process — never `exec` in the trainer's process.
 
 `run_python(source, timeout_s, memory_mb)` returns `SandboxResult(passed, reason)`: passed is True when the program
-exits with status 0 within the limits. It never raises for anything the program does (only for bad arguments).
+ran to its end — it returned from its last statement, within the limits — and the process exited with status 0. A
+program that leaves early (`sys.exit(0)`, `os._exit(0)`, `raise SystemExit`, an exit in `atexit` or `finally`, an
+exception hook that exits 0) does not pass: a harness writes a per-run nonce to a pipe only after the program's last
+statement, and the nonce reaches the program only inside that harness. It never raises for anything the program does
+(only for bad arguments).
 
-The program runs as `python -I -S program.py` (standard library only, no site-packages, no environment variables of
-the trainer, stdin/stdout/stderr to /dev/null) in a fresh temporary working directory, deleted afterwards. Before the
-exec, `_sandbox_launcher.py` sets its limits: address space `memory_mb`, CPU time ⌈timeout_s⌉ + 1 s, files of 16 MB
-at most, 64 open files, no core dumps, no new processes or threads (RLIMIT_NPROC), no privilege gain from set-uid
-binaries. The trainer kills it after `timeout_s` seconds of wall-clock time, and then kills anything it left running.
+The program runs under `python -I -S` (standard library only, no site-packages, no environment variables of the
+trainer, stdout/stderr to /dev/null) in a fresh temporary working directory, deleted afterwards, with limits: address
+space `memory_mb`, CPU time ⌈timeout_s⌉ + 1 s, files of 16 MB at most, 64 open files, no core dumps, no new processes
+or threads, no privilege gain from set-uid binaries (`_sandbox_launcher.py`). The trainer kills it after `timeout_s`
+seconds of wall-clock time, or when the trainer itself is interrupted (Ctrl-C), and then kills anything it left.
 
-As root (the supported setting): the program has no network (a new network namespace: not even loopback; a root
-without CAP_SYS_ADMIN, as in a default Docker container, cannot create one) and runs as a throwaway uid/gid picked per
-run: it reads only world-readable files, changes only world-writable ones, and can neither read the trainer's
-environment (/proc/<pid>/environ) nor signal its processes. Afterwards every process of that uid is killed and its
-files at the top of /tmp, /var/tmp and /dev/shm are removed. The interpreter must be readable by that uid: this
-Python when it is, else the first of /usr/local/bin/python3, /usr/bin/python3 that is (a pyenv Python under /root
-is not).
+As root with CAP_SYS_ADMIN (the supported setting): the program runs in its own IPC, mount, PID and network
+namespaces — no network, not even loopback; its own empty, 16 MB tmpfs on /tmp, /var/tmp, /dev/shm and /run/lock;
+a /proc showing only itself, so neither the trainer's command line nor its processes are visible; SysV shared memory
+and message queues that vanish with it — and as a throwaway uid/gid picked per run: it reads only world-readable
+files, changes only world-writable ones, and can neither read the trainer's environment nor signal its processes.
+The interpreter must be readable by that uid: this Python when it is, else the first of /usr/local/bin/python3,
+/usr/bin/python3 that is (a pyenv Python under /root is not).
 
-Without root the isolation is weaker: the program runs as the calling user (it can read and write that user's files,
-may read the trainer's /proc/<pid>/environ, and what it leaves in /tmp stays), and it loses the network only where
-the kernel lets an unprivileged process create a user namespace; the limits still apply.
+Weaker fallbacks, documented in docs/security.md: root without CAP_SYS_ADMIN (a default Docker container) keeps the
+throwaway uid but shares the network, IPC and temporary directories (files the uid left at their top are removed
+afterwards); without root the program runs as the calling user and loses the network only where the kernel lets an
+unprivileged process create a user namespace; the limits and the nonce still apply.
 """
 
 from __future__ import annotations
@@ -73,58 +78,67 @@ def _run(python: str, source: str, timeout_s: float, memory_mb: int) -> SandboxR
     root = os.geteuid() == 0
     # secrets, not random: the trainer's seeded RNG must neither be consumed nor make parallel workers share a uid
     uid = 200_000 + secrets.randbelow(1_800_000) if root else os.getuid()
+    nonce = secrets.token_hex(16).encode()
     workdir = tempfile.mkdtemp(prefix="trl_es_sandbox_")
+    nonce_read, nonce_write = os.pipe()
+    result_read, result_write = os.pipe()
     try:
         with open(os.path.join(workdir, "program.py"), "w", encoding="utf-8") as file:
             file.write(source)
         if root:
             os.chown(workdir, uid, uid)
             os.chown(os.path.join(workdir, "program.py"), uid, uid)
-        # reached through the working directory itself, as the throwaway uid may not traverse the temporary
-        # directory's parents (a TMPDIR private to root)
-        program = "/proc/self/cwd/program.py"
-        command = [
-            sys.executable,
-            "-I",
-            "-S",
-            _LAUNCHER,
-            python,
-            program,
-            str(memory_mb),
-            str(math.ceil(timeout_s) + 1),
-            str(uid),
-        ]
+        os.write(nonce_write, nonce)
+        os.close(nonce_write)
+        limits = [str(memory_mb), str(math.ceil(timeout_s) + 1), str(uid), str(result_write)]
         process = subprocess.Popen(
-            command,
+            [sys.executable, "-I", "-S", _LAUNCHER, python, *limits],
             env={},
             cwd=workdir,
-            stdin=subprocess.DEVNULL,
+            stdin=nonce_read,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            close_fds=True,
+            pass_fds=(result_write,),
             start_new_session=True,
         )
+        os.close(result_write)
         try:
             status = process.wait(timeout_s)
         except subprocess.TimeoutExpired:
+            status = None
+        finally:  # whatever ends the wait (the program, the timeout, Ctrl-C in the trainer): nothing stays running
             process.kill()
             process.wait()
-            status = None
-        if root:
-            _kill_uid(uid)
-            _remove_files_of(uid)
-        else:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _clean_up(process.pid, uid, root)
+        os.set_blocking(result_read, False)
+        try:
+            reported = os.read(result_read, 4096)
+        except BlockingIOError:
+            reported = b""
     finally:
+        for fd in (nonce_read, result_read):
+            os.close(fd)
         shutil.rmtree(workdir, ignore_errors=True)
     if status is None:
         return SandboxResult(False, "timeout")
     if status < 0:
         return SandboxResult(False, f"killed by signal {signal.Signals(-status).name}")
-    return SandboxResult(status == 0, "ok" if status == 0 else f"exit status {status}")
+    if status != 0:
+        return SandboxResult(False, f"exit status {status}")
+    return SandboxResult(True, "ok") if reported == nonce else SandboxResult(False, "stopped before its end")
+
+
+def _clean_up(pid: int, uid: int, root: bool) -> None:
+    """Kill what the program left running and remove its files in the shared temporary directories (with
+    namespaces both are gone with the namespace already; this covers the fallback)."""
+    if root:
+        _kill_uid(uid)
+        _remove_files_of(uid)
+    else:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _live_processes_of(uid: int) -> list[int]:
