@@ -211,7 +211,7 @@ def test_hyper_es_finds_a_merge_saves_it_and_resumes_bitwise(tmp_path, tiny_mode
     logs = [log for log in trainer.state.log_history if "es/merge_best_reward" in log]
     assert logs[-1]["es/merge_best_reward"] > 0.5  # the base scores ~0: the skilled vector is found
     final = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    assert (tmp_path / "run" / "out" / "checkpoint-2" / "merge_search.pt").is_file()
+    assert (tmp_path / "run" / "out" / "checkpoint-2" / "merge_search.json").is_file()
 
     resumed = ESTrainer(
         tiny_model_dir, upper_vocab_share, args=config(tmp_path / "run", **settings), train_dataset=prompts

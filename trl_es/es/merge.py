@@ -19,9 +19,9 @@ reward; evaluating a candidate (generating with its merged weights, scoring it) 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
-import pickle
 from collections.abc import Mapping
 
 import cma
@@ -98,7 +98,7 @@ def merge(
 
 class _Randn:
     """randn(*shape) for CMA-ES from its own numpy generator, so sampling neither reads nor seeds numpy's global
-    RNG and the generator's state is pickled with the CMA object."""
+    RNG."""
 
     def __init__(self, seed: int):
         self.generator = np.random.default_rng(seed)
@@ -113,8 +113,11 @@ class MergeSearch:
     The default `init` = 1 starts from the plain DARE-TIES merge of all K task vectors (for K = 1, the tuned model
     itself): peft's TIES step averages the agreeing c_k·τ_k, so c_k ≈ 1 is the natural scale, and `sigma0` = 0.2
     explores ±20% of it per layer group. `popsize` None uses CMA-ES's default 4 + ⌊3 ln(K·L)⌋. The search is
-    deterministic in `seed`: the same tells give the same asks.
+    deterministic in `seed`: the same tells give the same asks. So its state is data — the settings and the rewards
+    told after each ask — and loading it replays them (`state_dict`): nothing is unpickled.
     """
+
+    STATE_FORMAT = "trl-es-cma-replay/1"
 
     def __init__(
         self,
@@ -126,6 +129,8 @@ class MergeSearch:
         seed: int = 0,
     ):
         self.shape = (n_vectors, n_groups)
+        self.settings = {"shape": list(self.shape), "init": init, "sigma0": sigma0, "popsize": popsize, "seed": seed}
+        self.history: list[list[float] | None] = []  # per ask: the rewards told for it (None: not told)
         options = {"seed": math.nan, "randn": _Randn(merge_search_seed(seed)), "verbose": -9}
         if popsize is not None:
             options["popsize"] = popsize
@@ -133,6 +138,7 @@ class MergeSearch:
 
     def ask(self) -> list[torch.Tensor]:
         """The next population of candidate coefficient matrices (K × L, float64)."""
+        self.history.append(None)
         return [torch.from_numpy(np.array(x)).reshape(self.shape) for x in self.es.ask()]
 
     def tell(self, candidates: list[torch.Tensor], rewards: list[float]) -> None:
@@ -141,8 +147,11 @@ class MergeSearch:
             raise ValueError(f"got {len(candidates)} candidates but {len(rewards)} rewards")
         if not all(math.isfinite(reward) for reward in rewards):
             raise ValueError(f"rewards must be finite (no NaN or inf), got {list(rewards)}")
+        if not self.history or self.history[-1] is not None:
+            raise ValueError("tell follows an ask: these candidates were not asked for")
         solutions = [candidate.detach().cpu().double().reshape(-1).numpy() for candidate in candidates]
         self.es.tell(solutions, [-float(reward) for reward in rewards])
+        self.history[-1] = [float(reward) for reward in rewards]
 
     def mean(self) -> torch.Tensor:
         """The current mean of the search distribution (K × L, float64)."""
@@ -154,24 +163,51 @@ class MergeSearch:
             raise RuntimeError("no candidate has been told yet")
         return torch.from_numpy(np.array(self.es.result.xbest)).reshape(self.shape), -float(self.es.result.fbest)
 
-    def state_dict(self) -> dict[str, bytes]:
-        """The pickled CMA-ES state (distribution, best candidate, sampler RNG): loaded, it continues identically."""
-        return {"cma": pickle.dumps(self.es)}
+    def state_dict(self) -> dict:
+        """The search as JSON-able data: its settings and, per ask, the rewards told (None: asked, not told)."""
+        history = [None if rewards is None else list(rewards) for rewards in self.history]
+        return {"format": self.STATE_FORMAT, "settings": dict(self.settings), "history": history}
 
-    def load_state_dict(self, state: Mapping[str, bytes]) -> None:
-        """Resume from `state_dict()` output; it is unpickled, so load only states you trust."""
-        es = pickle.loads(state["cma"])
-        if es.N != self.shape[0] * self.shape[1]:
-            raise ValueError(f"state has {es.N} coefficients, this search has {self.shape[0]}×{self.shape[1]}")
-        self.es = es
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue as the search `state` describes: a search with its settings, replayed ask by ask (the same
+        asks, since the search is deterministic). Every field is checked first; a ValueError names what is wrong."""
+        if not isinstance(state, Mapping) or state.get("format") != self.STATE_FORMAT:
+            raise ValueError(f"not a CMA-ES search state of format {self.STATE_FORMAT!r}")
+        settings, history = state.get("settings"), state.get("history")
+        if not isinstance(settings, Mapping) or set(settings) != set(self.settings):
+            raise ValueError(f"the state's settings must have the keys {sorted(self.settings)}")
+        shape = settings["shape"]
+        if shape != list(self.shape):
+            size = shape[0] * shape[1] if _is_pair_of_ints(shape) else shape
+            raise ValueError(f"state has {size} coefficients, this search has {self.shape[0]}×{self.shape[1]}")
+        if not isinstance(history, list) or not all(_is_reward_list(entry) for entry in history):
+            raise ValueError("the state's history must be a list of None or lists of finite rewards")
+        replayed = MergeSearch(*shape, settings["init"], settings["sigma0"], settings["popsize"], settings["seed"])
+        for rewards in history:
+            candidates = replayed.ask()
+            if rewards is not None:
+                replayed.tell(candidates, rewards)
+        self.__dict__.update(replayed.__dict__)
+
+
+def _is_pair_of_ints(value) -> bool:
+    return isinstance(value, list) and len(value) == 2 and all(type(v) is int and v > 0 for v in value)
+
+
+def _is_reward_list(entry) -> bool:
+    return entry is None or (
+        isinstance(entry, list) and all(type(r) in (int, float) and math.isfinite(r) for r in entry)
+    )
 
 
 class MergeSpace(SearchSpace):
     """Hyper-ES: the members are CMA-ES's candidate coefficients c; member c evaluates `merge(θ_start, τ, c)` written
     into the weights (a `LocalWeights`); `tell` gives CMA-ES the members' rewards (a member without one counts as
-    the worst) and θ becomes the best merge found so far. The search state is checkpointed in `merge_search.pt`."""
+    the worst) and θ becomes the best merge found so far. The search state is checkpointed as JSON in
+    `merge_search.json` (`MergeSearch.state_dict`)."""
 
-    STATE_FILE = "merge_search.pt"
+    STATE_FILE = "merge_search.json"
+    PICKLED_STATE_FILE = "merge_search.pt"  # what trl-es wrote before it stopped pickling: refused
 
     def __init__(
         self,
@@ -230,10 +266,22 @@ class MergeSpace(SearchSpace):
         return {"es/update_norm": self.weights.distance(), "es/merge_best_reward": best_reward}
 
     def save_state(self, folder: str) -> None:
-        torch.save(self.search.state_dict(), os.path.join(folder, self.STATE_FILE))
+        with open(os.path.join(folder, self.STATE_FILE), "w", encoding="utf-8") as file:
+            json.dump(self.search.state_dict(), file)
 
     def load_state(self, folder: str) -> None:
         path = os.path.join(folder, self.STATE_FILE)
         if not os.path.isfile(path):
+            if os.path.isfile(os.path.join(folder, self.PICKLED_STATE_FILE)):
+                raise ValueError(
+                    f"{folder} holds the Hyper-ES search as {self.PICKLED_STATE_FILE}, a pickle written by an older "
+                    "trl-es, which is not loaded (unpickling can run any code): restart the search from the "
+                    "checkpoint's weights with resume_from_checkpoint=None and model=<the checkpoint>"
+                )
             raise FileNotFoundError(f"{path} is missing: this checkpoint was not saved by a Hyper-ES run")
-        self.search.load_state_dict(torch.load(path))
+        try:
+            with open(path, encoding="utf-8") as file:
+                state = json.load(file)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{path} is not a readable Hyper-ES search state: {error}") from error
+        self.search.load_state_dict(state)
