@@ -22,7 +22,8 @@ def shape_fitness(rewards: torch.Tensor, method: str = "zscore", eps: float = 1e
     - "zscore": z_i = (R_i − mean R) / (std R + eps), std over the population (ddof 0);
     - "centered_rank": centered ranks of R;
     - "none": z_i = R_i.
-    Returns None when fewer than two members have a reward or the rewards do not differ: no signal, no update.
+    Returns None when fewer than two members have a reward or the rewards do not differ: no signal, no update;
+    raises FloatingPointError when the fitness is not finite.
     """
     if method not in SHAPINGS:
         raise ValueError(f"unknown fitness shaping {method!r}; choose one of {SHAPINGS}")
@@ -37,6 +38,8 @@ def shape_fitness(rewards: torch.Tensor, method: str = "zscore", eps: float = 1e
         shaped = centered_ranks(r)
     else:
         shaped = r
+    if not torch.isfinite(shaped).all():
+        raise FloatingPointError(f"the fitness of rewards {r.tolist()} is not finite ({method})")
     fitness = torch.zeros_like(rewards)
     fitness[valid] = shaped
     return fitness

@@ -22,7 +22,7 @@ import torch
 
 from .seeds import lowrank_seed
 from .space import Direction, SearchSpace, directions
-from .update import update_coefficients
+from .update import not_finite, update_coefficients
 
 
 def lowrank_factors(
@@ -159,7 +159,10 @@ def lowrank_update(
         b = torch.cat([b for _, b in factors], dim=1)
         delta = a @ b.T
         squared_norm += float(delta.square().sum())
-        weight.copy_(weight.float() + delta)
+        updated = (weight.float() + delta).to(weight.dtype)
+        if not torch.isfinite(updated).all():
+            raise not_finite(name, weight.dtype, coefficients)
+        weight.copy_(updated)
     return squared_norm**0.5
 
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .noise import CHUNK, NoiseTable, member_noise
 from .params import ParameterSnapshot
+
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def update_coefficients(
@@ -19,7 +24,23 @@ def update_coefficients(
     coefficients: dict[int, float] = {}
     for z, (seed, sign) in zip(fitness.tolist(), directions, strict=True):
         coefficients[seed] = coefficients.get(seed, 0.0) + learning_rate * sign * z / n_members
+    check_coefficients(coefficients)
     return coefficients
+
+
+def check_coefficients(coefficients: dict[int, float]) -> None:
+    """A FloatingPointError unless every update coefficient is a finite float32 value."""
+    for seed, c in coefficients.items():
+        if not (math.isfinite(c) and abs(c) <= FLOAT32_MAX):
+            raise FloatingPointError(f"the update coefficient of noise seed {seed} is {c}, not finite in float32")
+
+
+def not_finite(name: str, dtype: torch.dtype, coefficients: dict[int, float]) -> FloatingPointError:
+    largest = max((abs(c) for c in coefficients.values()), default=0.0)
+    return FloatingPointError(
+        f"the ES update of {name!r} is not finite in {dtype} (largest coefficient α·z/N = {largest:.3g}): lower "
+        "learning_rate, or use fitness_shaping='zscore' — 'none' lets raw rewards scale the update"
+    )
 
 
 @torch.no_grad()
@@ -35,8 +56,10 @@ def apply_update(
 
     The sum is accumulated in float32 one noise window at a time and cast to the parameter dtype once.
     The snapshot is left untouched, so an interrupted update can still be undone with `snapshot.restore()`.
-    Returns ‖Δθ‖₂ of the float32 update.
+    Returns ‖Δθ‖₂ of the float32 update. A FloatingPointError, after which the caller restores θ, when a
+    coefficient or a written value is not finite.
     """
+    check_coefficients(coefficients)
     seeds, coeffs = list(coefficients), list(coefficients.values())
     squared_norm = 0.0
     buffers: dict[torch.device, torch.Tensor] = {}
@@ -56,4 +79,6 @@ def apply_update(
                 delta.add_(theta, alpha=-decay)
             squared_norm += float(delta.dot(delta))
             torch.add(theta, delta, out=flat[a:b])
+            if not torch.isfinite(flat[a:b]).all():
+                raise not_finite(name, flat.dtype, coefficients)
     return squared_norm**0.5

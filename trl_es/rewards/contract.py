@@ -21,6 +21,7 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
@@ -37,18 +38,27 @@ from trl.trainer.utils import (
 RewardFunc = str | PreTrainedModel | Callable[..., list[float | None]]
 
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def _as_reward(value: Any, func_name: str, index: int) -> float:
-    """A returned reward as a float: None → NaN (as TRL); ±inf or anything not a real number is an error naming the
-    function, since one infinite reward would turn the whole update into NaN."""
+    """A returned reward as a float: None → NaN (as TRL); numpy scalars and 0-d tensors are numbers. ±inf, a value
+    float32 cannot hold (rewards are kept in float32, as in GRPO) or anything not a real number is an error naming
+    the function, since one infinite reward would turn the whole update into NaN."""
     if value is None:
         return math.nan
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
+    if isinstance(value, np.generic) or (isinstance(value, torch.Tensor) and value.numel() == 1):
         value = value.item()
-    if isinstance(value, numbers.Real):  # includes bool and numpy scalars
+    if isinstance(value, numbers.Real):  # includes bool
         if math.isinf(value):
             raise ValueError(
                 f"The reward function '{func_name}' returned {value} at position {index}; rewards must be finite "
                 "(return None to give a completion no reward)."
+            )
+        if abs(value) > FLOAT32_MAX:
+            raise ValueError(
+                f"The reward function '{func_name}' returned {value} at position {index}, beyond what float32 (the "
+                f"precision rewards are kept in) holds: |reward| must stay below {FLOAT32_MAX:.3g}."
             )
         return float(value)
     raise TypeError(
@@ -196,5 +206,12 @@ class RewardFunctions:
     def combine(self, rewards: torch.Tensor) -> torch.Tensor:
         """Per-completion reward: Σ_f w_f·r_f over the non-NaN r_f; NaN when every function returned None."""
         weighted = (rewards * self.weights.unsqueeze(0)).nansum(dim=1)
-        weighted[torch.isnan(rewards).all(dim=1)] = math.nan
+        none = torch.isnan(rewards).all(dim=1)
+        if not torch.isfinite(weighted[~none]).all():
+            k = int((~torch.isfinite(weighted) & ~none).nonzero()[0])
+            raise ValueError(
+                f"The weighted sum of the rewards of completion {k} is not finite in float32: "
+                f"{dict(zip(self.names, rewards[k].tolist(), strict=True))} with reward_weights {self.weights.tolist()}"
+            )
+        weighted[none] = math.nan
         return weighted
