@@ -71,8 +71,9 @@ def prepare(models: Path, tokenizer_dir: str) -> None:
         model.save_pretrained(models / f"tuned-{k}")
 
 
-def run(scenario: str, models: Path, out: Path, **extra) -> str:
-    """Train the scenario's 2 greedy steps (resume: stop after step 1, resume from checkpoint-1); the weights' hash."""
+def run(scenario: str, models: Path, out: Path, resume=None, **extra) -> str:
+    """Train the scenario's 2 greedy steps (resume: stop after step 1, resume from checkpoint-1; or from `resume`,
+    as `train` takes it); the weights' hash. `extra` overrides ESConfig fields."""
     from trl_es import ESTrainer
 
     model_dir = str(models / "model")
@@ -82,7 +83,6 @@ def run(scenario: str, models: Path, out: Path, **extra) -> str:
     folder = out / scenario
     settings = dict(generation_kwargs={"do_sample": False}, per_device_train_batch_size=8, use_cpu=True, **overrides)
     dataset = Dataset.from_dict({"prompt": PROMPTS})
-    resume = None
     if scenario == "resume":
         first = ESTrainer(
             model_dir,

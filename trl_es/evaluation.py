@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from .atomic import atomic_write_text
 from .es.seeds import eval_seed
 from .metrics import maj_at_k, pass_at_k
 from .tasks import SUCCESS_THRESHOLD, TASKS, Task, get_task
@@ -219,8 +220,7 @@ def _read_records(path: str, settings: dict) -> dict[int, dict]:
         except json.JSONDecodeError as error:
             if number < len(lines) - 1:
                 raise ValueError(f"{path} line {number + 1} is corrupt; delete the file to start over") from error
-            with open(path, "w") as f:  # keep the complete lines only
-                f.write("".join(kept + "\n" for kept in lines[:-1]))
+            atomic_write_text(path, "".join(kept + "\n" for kept in lines[:-1]))  # keep the complete lines only
     if records and records[0].get("settings") != settings:
         raise ValueError(
             f"{path} holds an evaluation with other settings ({records[0].get('settings')}); use another --out-dir "
@@ -302,8 +302,7 @@ def evaluate(
             progress,
         )
         results["models"][name] = {"path": path, **scores, "wall_s": round(time.perf_counter() - start, 1)}
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    atomic_write_text(os.path.join(out_dir, "results.json"), json.dumps(results, indent=1))
     plot_pass_at_k(results, os.path.join(out_dir, "pass_at_k.png"))
     plot_pareto(results, os.path.join(out_dir, "pareto.png"))
     return results

@@ -4,15 +4,27 @@ A mixin of `ESTrainer` over transformers' Trainer: Trainer writes the weights, t
 states; ESTrainer adds the search space's own state to each checkpoint, gathers θ under ZeRO-3 to save or load it,
 hands a loaded checkpoint to the weights backend (vLLM takes it at its next start), and appends the ES settings to
 TRL's model card (plus the sparse delta's statistics with `sparse_delta_tau`).
+
+Every save is atomic (`trl_es.atomic`): a checkpoint is written whole into `<output_dir>/.staging/checkpoint-K`,
+flushed to disk and renamed to `checkpoint-K`, and only then are older checkpoints rotated away, so a crash at any
+moment leaves every `checkpoint-K` complete and `resume_from_checkpoint=True` (the newest one) resumable; a saved
+model's files appear together or not at all.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 
+from transformers.trainer_utils import rotate_checkpoints
 from trl.trainer.utils import get_config_model_id
 
 from . import sparse
+from .atomic import atomic_directory, publish_directory
+
+
+STAGING = ".staging"
+"""The folder of `output_dir` where a checkpoint is written before it is renamed into place."""
 
 
 MODEL_CARD_FIELDS = (
@@ -34,22 +46,54 @@ class SavingMixin:
         self.weights.loaded(resume_from_checkpoint)
         self.space.load_state(resume_from_checkpoint)
 
+    _staging_checkpoint = False
+
+    def _get_output_dir(self, trial) -> str:
+        """Trainer's run directory; while a checkpoint is written, its staging folder (`STAGING`)."""
+        run_dir = super()._get_output_dir(trial)
+        return os.path.join(run_dir, STAGING) if self._staging_checkpoint else run_dir
+
     def _save_checkpoint(self, model, trial):
-        """Trainer's checkpoint, plus the search space's own state."""
-        super()._save_checkpoint(model, trial)
+        """Trainer's checkpoint plus the search space's state, written into the staging folder by every process,
+        then published by the main process in one rename; older checkpoints are rotated only after that."""
+        run_dir, name = self._get_output_dir(trial), f"checkpoint-{self.state.global_step}"
+        staging = os.path.join(run_dir, STAGING, name)
         if self.args.should_save:
-            self.space.save_state(os.path.join(self._get_output_dir(trial), f"checkpoint-{self.state.global_step}"))
+            shutil.rmtree(os.path.join(run_dir, STAGING), ignore_errors=True)  # what a crash left
+            os.makedirs(staging)
+        self.accelerator.wait_for_everyone()
+        self._staging_checkpoint = True
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_checkpoint = False
+        if self.args.should_save:
+            self.space.save_state(staging)
+        self.accelerator.wait_for_everyone()  # every process's files (e.g. its RNG state) are in
+        if self.args.should_save:
+            publish_directory(staging, os.path.join(run_dir, name))
+            limit, best = self.args.save_total_limit, self.state.best_model_checkpoint
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=True)
+        self.accelerator.wait_for_everyone()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Save the model with HF names (the main process writes; under ZeRO-3 every process takes part in
-        gathering θ, so call it on every process, as Trainer does)."""
+        """Save the model with HF names, atomically (the main process writes; under ZeRO-3 every process takes
+        part in gathering θ, so call it on every process, as Trainer does)."""
         output_dir = output_dir or self.args.output_dir
         with self._full_parameters():
-            super().save_model(output_dir, _internal_call)
-            if self.args.sparse_delta_tau is not None and not _internal_call and self.args.should_save:
-                self._sparse_delta_card = sparse.write_model_delta(self.model, output_dir, self.args.sparse_delta_tau)
+            if self._staging_checkpoint or not self.args.should_save:  # a checkpoint is staged as a whole
+                super().save_model(output_dir, _internal_call)
+            else:
+                with atomic_directory(output_dir) as staging:
+                    super().save_model(staging, _internal_call=True)  # Trainer pushes below, once published
+                    if self.args.sparse_delta_tau is not None:
+                        self._sparse_delta_card = sparse.write_model_delta(
+                            self.model, staging, self.args.sparse_delta_tau
+                        )
         if not _internal_call and os.path.abspath(output_dir) == os.path.abspath(self.args.output_dir):
             self.create_model_card()
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card (tags trl, trl-es, evolution-strategies) plus the base model and ES settings."""

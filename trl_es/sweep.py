@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from .atomic import atomic_write_text
 from .sparse import save_delta, threshold_masks, thresholded
 
 
@@ -110,8 +111,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = sparsity_sweep(base, tuned, settings, score)
     full = sum(t.numel() * t.element_size() for t in base.values())
     os.makedirs(options.out_dir, exist_ok=True)
-    with open(os.path.join(options.out_dir, "sweep.json"), "w") as f:
-        json.dump({"base": options.base, "tuned": options.tuned, "full_bytes": full, "rows": rows}, f, indent=1)
+    summary = {"base": options.base, "tuned": options.tuned, "full_bytes": full, "rows": rows}
+    atomic_write_text(os.path.join(options.out_dir, "sweep.json"), json.dumps(summary, indent=1))
     plot(rows, os.path.join(options.out_dir, "sweep.png"), "small sums held-out Pass@1 (greedy)")
     print(f"{'model':22} {'kept':>8} {'delta MiB':>10} {'/ full':>7} {'Pass@1':>7}")
     for row in rows:

@@ -1,0 +1,58 @@
+"""A crash at any moment leaves a resumable run: training killed with SIGKILL while it writes a checkpoint (the
+weights, the optimizer/scheduler/RNG states, the Hyper-ES search state, the publishing rename, the rotation of old
+checkpoints) or at seeded random times, then resumed with `resume_from_checkpoint=True`, ends bitwise on the weights
+of a run that was never interrupted. Each run is a real process (tests/crash_es.py) killed for real."""
+
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import regression_guard
+
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).with_name("crash_es.py")
+KILL_POINTS = {
+    "full": [
+        "torn:save_file:2",  # checkpoint-2's weights cut short
+        "torn:torch_save:5",  # a state file of checkpoint-2 cut short
+        "before:replace:2",  # checkpoint-2 complete in the staging folder, not yet published
+        "before:rmtree:3",  # published, while rotating the older checkpoint away
+    ],
+    "merge": ["before:json_dump:2", "after:replace:1"],  # the search state not yet written; published, not rotated
+}
+RANDOM_KILLS = 1  # per scenario, at a seeded random time within the run
+
+
+def run(models: Path, out: Path, scenario: str, *kill: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(SCRIPT), str(models), str(out), scenario, *kill]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tokenizer_dir):
+    folder = tmp_path_factory.mktemp("crash-models")
+    regression_guard.prepare(folder, tokenizer_dir)
+    return folder
+
+
+@pytest.mark.parametrize("scenario", ["full", "merge"])
+def test_killed_runs_resume_to_the_uninterrupted_weights(models, tmp_path, scenario):
+    reference = run(models, tmp_path / "reference", scenario)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    expected = (tmp_path / "reference" / "hash.txt").read_text()
+    rng = random.Random(f"crash-{scenario}")
+    kills = KILL_POINTS[scenario] + [f"after-seconds:{rng.uniform(8, 20):.1f}:0" for _ in range(RANDOM_KILLS)]
+    for k, kill in enumerate(kills):
+        out = tmp_path / f"trial-{k}"
+        crashed = run(models, out, scenario, kill)
+        killed = crashed.returncode == -signal.SIGKILL
+        assert killed or crashed.returncode == 0, (kill, crashed.stderr[-3000:])
+        if kill.startswith(("before", "after", "torn")):
+            assert killed, f"{kill}: the kill point was never reached"
+        resumed = run(models, out, scenario)
+        assert resumed.returncode == 0, (kill, resumed.stderr[-3000:])
+        assert (out / "hash.txt").read_text() == expected, kill

@@ -1,0 +1,95 @@
+"""Atomic saves: a crash, SIGKILL or Ctrl-C never leaves a half-written file or directory where it will be read.
+
+Everything is first written into a staging directory beside its destination, made durable (`fsync` of every file
+and directory), then renamed into place: `os.replace` of one file or of a whole new directory is atomic on POSIX
+filesystems. Files that join an existing directory (a model saved into a run's output directory) are renamed one by
+one with Ctrl-C held back, so the directory holds the old files or the new ones, never a file cut short.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+
+
+def fsync_tree(path: str) -> None:
+    """Flush every file under `path`, then the directories, to disk."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as file:
+                os.fsync(file.fileno())
+        fsync_directory(root)
+
+
+def fsync_directory(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Ctrl-C (SIGINT) is delivered after the block, not inside it (main thread only; elsewhere a no-op)."""
+    try:
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    except (ValueError, OSError):
+        blocked = None
+    try:
+        yield
+    finally:
+        if blocked is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def publish_directory(staging: str, target: str) -> None:
+    """Make the complete directory `staging` appear at `target` in one rename (an existing `target` is replaced)."""
+    fsync_tree(staging)
+    replaced = f"{staging}.replaced"
+    with interrupts_held():
+        if os.path.exists(target):
+            os.replace(target, replaced)
+        os.replace(staging, target)
+    fsync_directory(os.path.dirname(os.path.abspath(target)))
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_directory(target: str):
+    """Yield a staging directory to fill; on success its files appear in `target` (created if missing; existing
+    files of the same names replaced), on an exception `target` is left as it was and the staging removed."""
+    parent = os.path.dirname(os.path.abspath(target))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(target))}.", suffix=".partial", dir=parent)
+    try:
+        yield staging
+        if not os.path.isdir(target):
+            publish_directory(staging, target)
+            return
+        fsync_tree(staging)
+        with interrupts_held():
+            for name in os.listdir(staging):
+                os.replace(os.path.join(staging, name), os.path.join(target, name))
+        fsync_directory(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Write `text` to `path` through a durable temporary file and one rename."""
+    directory = os.path.dirname(os.path.abspath(path))
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".partial", dir=directory)
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+        raise
