@@ -150,3 +150,86 @@ def test_a_recipe_cannot_construct_python_objects(tmp_path, tiny_model_dir):
     with pytest.raises(Exception):  # noqa: B017 - PyYAML's safe loader refuses the tag
         main(["es", "--config", str(recipe), "--max_steps", "1"])
     assert not marker.exists()
+
+
+@pytest.fixture
+def delta_pair(tmp_path):
+    """A base (two tensors) and a valid delta of a tuned version: a.weight by indices, b.bias by mask."""
+    from safetensors.torch import load_file
+
+    from trl_es.sparse import save_delta
+
+    base = {"a.weight": torch.zeros(64, 4), "b.bias": torch.zeros(16)}
+    tuned = {"a.weight": base["a.weight"].clone(), "b.bias": torch.arange(16.0)}
+    tuned["a.weight"][0, :2] = 1.0
+    masks = {name: tuned[name] != base[name] for name in base}
+    path = tmp_path / "delta.safetensors"
+    save_delta(str(path), base, tuned, masks, base_model="base")
+    assert set(load_file(path)) == {"a.weight.indices", "a.weight.values", "b.bias.mask", "b.bias.values"}
+    return base, path
+
+
+def rewrite(path, edit):
+    """Apply `edit(tensors, metadata)` to the delta file at `path`, in place."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), "pt") as file:
+        metadata = dict(file.metadata())
+    tensors = load_file(path)
+    edit(tensors, metadata)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+TAMPERINGS = {
+    "negative index": (lambda t, m: t["a.weight.indices"].__setitem__(0, -1), "indices of 'a.weight'"),
+    "index out of range": (lambda t, m: t["a.weight.indices"].__setitem__(0, 256), "indices of 'a.weight'"),
+    "duplicate indices": (lambda t, m: t["a.weight.indices"].__setitem__(1, 0), "duplicate"),
+    "float indices": (lambda t, m: t.update({"a.weight.indices": torch.tensor([0.0, 1.0])}), "integer"),
+    "short mask": (lambda t, m: t.update({"b.bias.mask": t["b.bias.mask"][:1]}), "mask of 'b.bias'"),
+    "too many values": (lambda t, m: t.update({"a.weight.values": torch.ones(3)}), "values of 'a.weight'"),
+    "values of another dtype": (
+        lambda t, m: t.update({"a.weight.values": torch.ones(2, dtype=torch.float64)}),
+        "dtype",
+    ),
+    "non-finite value": (lambda t, m: t["b.bias.values"].__setitem__(0, float("nan")), "not finite"),
+    "unknown tensor": (lambda t, m: t.update({"lm_head.weight.values": torch.ones(1)}), "lm_head.weight"),
+    "values without positions": (lambda t, m: t.pop("a.weight.indices"), "a.weight"),
+    "missing metadata": (lambda t, m: m.pop("shapes"), "metadata"),
+    "unreadable shapes": (lambda t, m: m.update({"shapes": "[not json"}), "metadata"),
+    "wrong kept count": (lambda t, m: m.update({"kept": "5"}), "kept"),
+}
+
+
+@pytest.mark.parametrize("tampering", TAMPERINGS)
+def test_a_tampered_delta_is_refused_before_anything_is_applied(delta_pair, tampering):
+    from trl_es.sparse import apply_delta
+
+    base, path = delta_pair
+    edit, message = TAMPERINGS[tampering]
+    rewrite(path, edit)
+    before = {name: t.clone() for name, t in base.items()}
+    with pytest.raises(ValueError, match=message):
+        apply_delta(base, str(path), force=True)
+    assert all(torch.equal(base[name], before[name]) for name in base)
+
+
+def test_apply_delta_command_reports_a_tampered_delta_in_one_line(tmp_path, tiny_model_dir, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from trl_es.cli import main
+
+    tuned = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        tuned.model.embed_tokens.weight[0, :3] += 0.5
+    tuned.save_pretrained(tmp_path / "tuned")
+    delta = tmp_path / "delta.safetensors"
+    assert main(["sparsify", "--base", tiny_model_dir, "--tuned", str(tmp_path / "tuned"), "--tau", "0.1",
+                 "--out", str(delta)]) == 0  # fmt: skip
+    rewrite(delta, lambda t, m: t["model.embed_tokens.weight.indices"].__setitem__(0, -5))
+    capsys.readouterr()
+    code = main(["apply-delta", "--base", tiny_model_dir, "--delta", str(delta), "--out", str(tmp_path / "out")])
+    errors = [line for line in capsys.readouterr().err.splitlines() if "delta" in line]  # not the progress bars
+    assert code == 1 and len(errors) == 1 and errors[0].startswith("trl-es apply-delta: ")
+    assert "model.embed_tokens.weight" in errors[0]
+    assert not (tmp_path / "out").exists()

@@ -186,13 +186,25 @@ def load_delta(path: str) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, metadata
 
 
+METADATA_KEYS = (
+    "format",
+    "base_model",
+    "base_revision",
+    "base_hash",
+    "tau",
+    "top_fraction",
+    "kept",
+    "sparsity",
+    "shapes",
+)
+
+
 def apply_delta(base: Mapping[str, torch.Tensor], path: str, force: bool = False) -> dict[str, torch.Tensor]:
-    """The thresholded model: a copy of `base` with the delta's entries written in. A delta made from other base
-    weights (hash mismatch) is refused unless `force`."""
+    """The thresholded model: a copy of `base` with the delta's entries written in. Every field of the file is
+    checked against the base before anything is written (`delta_entries`); a delta made from other base weights
+    (hash mismatch) is refused unless `force`."""
     tensors, metadata = load_delta(path)
-    shapes = json.loads(metadata["shapes"])
-    if shapes != {name: list(t.shape) for name, t in base.items()}:
-        raise ValueError(f"the delta {path!r} was made for a model with other parameters or shapes than this base")
+    entries = delta_entries(tensors, metadata, base, path)
     if not force and metadata["base_hash"] != weights_hash(base):
         raise ValueError(
             f"the delta {path!r} was made from other base weights ({metadata['base_model'] or 'unnamed base'}, hash "
@@ -200,16 +212,71 @@ def apply_delta(base: Mapping[str, torch.Tensor], path: str, force: bool = False
             "anyway"
         )
     result = {name: t.detach().clone() for name, t in base.items()}
-    for name, target in result.items():
-        if f"{name}.indices" in tensors:
-            positions = tensors[f"{name}.indices"].long()
-        elif f"{name}.mask" in tensors:
-            bits = np.unpackbits(tensors[f"{name}.mask"].numpy(), count=target.numel()).astype(bool)
-            positions = torch.from_numpy(bits).nonzero().flatten()
-        else:
-            continue
-        target.view(-1)[positions.to(target.device)] = tensors[f"{name}.values"].to(target.device, target.dtype)
+    for name, (positions, values) in entries.items():
+        target = result[name]
+        target.view(-1)[positions.to(target.device)] = values.to(target.device)
     return result
+
+
+def delta_entries(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], base: Mapping[str, torch.Tensor], path: str
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{parameter: (flat positions, values)} of a delta, each field checked against `base`: the metadata keys and
+    shapes, every tensor's name, positions (integers in range, no duplicates; a mask of the parameter's length), as
+    many values as positions, in the parameter's dtype, finite. A ValueError names the first problem."""
+    missing = [key for key in METADATA_KEYS if key not in metadata]
+    try:
+        shapes = json.loads(metadata["shapes"]) if not missing else None
+        kept = int(metadata["kept"]) if not missing else None
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"the delta {path!r} has unreadable metadata: {error}") from error
+    if missing:
+        raise ValueError(f"the delta {path!r} lacks metadata {missing}")
+    if shapes != {name: list(t.shape) for name, t in base.items()}:
+        raise ValueError(f"the delta {path!r} was made for a model with other parameters or shapes than this base")
+    for key in tensors:
+        name, _, kind = key.rpartition(".")
+        if name not in base or kind not in ("indices", "mask", "values"):
+            raise ValueError(f"the delta {path!r} holds {key!r}, which names no parameter of this base")
+    entries = {}
+    for name, target in base.items():
+        kinds = [kind for kind in ("indices", "mask", "values") if f"{name}.{kind}" in tensors]
+        if not kinds:
+            continue
+        if kinds not in (["indices", "values"], ["mask", "values"]):
+            raise ValueError(f"the delta {path!r} has {kinds} for {name!r}: it needs values and indices or a mask")
+        positions = _positions(tensors, name, target.numel(), path)
+        values = tensors[f"{name}.values"]
+        if values.dim() != 1 or values.numel() != positions.numel():
+            raise ValueError(
+                f"the delta {path!r} has {values.numel()} values of {name!r} for {positions.numel()} entries"
+            )
+        if values.dtype != target.dtype:
+            raise ValueError(f"the delta {path!r} has values of {name!r} in dtype {values.dtype}, not {target.dtype}")
+        if not torch.isfinite(values).all():
+            raise ValueError(f"the delta {path!r} has values of {name!r} that are not finite")
+        entries[name] = (positions, values)
+    if sum(positions.numel() for positions, _ in entries.values()) != kept:
+        raise ValueError(f"the delta {path!r} says it kept {kept} entries but holds another number")
+    return entries
+
+
+def _positions(tensors: Mapping[str, torch.Tensor], name: str, numel: int, path: str) -> torch.Tensor:
+    """The checked flat positions of parameter `name`'s kept entries."""
+    if f"{name}.mask" in tensors:
+        mask = tensors[f"{name}.mask"]
+        if mask.dtype != torch.uint8 or mask.dim() != 1 or mask.numel() != (numel + 7) // 8:
+            raise ValueError(f"the delta {path!r} has a mask of {name!r} that does not fit its {numel} entries")
+        return torch.from_numpy(np.unpackbits(mask.numpy(), count=numel).astype(bool)).nonzero().flatten()
+    indices = tensors[f"{name}.indices"]
+    if indices.dtype not in (torch.int32, torch.int64) or indices.dim() != 1:
+        raise ValueError(f"the delta {path!r} has indices of {name!r} that are not a list of integers")
+    positions = indices.long()
+    if positions.numel() and (positions.min() < 0 or positions.max() >= numel):
+        raise ValueError(f"the delta {path!r} has indices of {name!r} outside 0..{numel - 1}")
+    if positions.unique().numel() != positions.numel():
+        raise ValueError(f"the delta {path!r} has duplicate indices of {name!r}")
+    return positions
 
 
 def write_model_delta(model, output_dir: str, tau: float) -> dict[str, str] | None:
