@@ -96,6 +96,13 @@ def test_server_mode(tmp_path, tokenizer_dir):
     assert results["second_run_rewards"] == results["hf_rewards"]
     assert results["resumed_same_final_weights"]
     assert "weights differ from the trainer's model" in results["other_model_error"]
+    # the server's token: every endpoint but /health refuses a client without it
+    assert results["health"] == 200 and results["no_token"] == [401, 401, 401] and results["wrong_token"] == 401
+    assert "TRL_ES_VLLM_TOKEN" in results["trainer_without_token"]
+    # the worker refuses malformed arguments before acting; the weights stay
+    assert all(status != 200 for status in results["malformed"]) and results["malformed_left_weights"]
+    # a third party that changes the served weights mid-run stops training at the next update
+    assert "another client changed them" in results["tampered_error"]
 
 
 @pytest.mark.slow

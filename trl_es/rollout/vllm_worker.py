@@ -22,11 +22,62 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 
 import torch
 
+from ..es.noise import CHUNK
 from ..es.weights import LocalWeights, weights_fingerprint
+
+
+MAX_COEFFICIENTS = 1 << 16
+"""Most (seed, coefficient) pairs one update may carry: the population size bounds them."""
+
+
+def _is_int(value) -> bool:
+    return type(value) is int
+
+
+def _is_finite(value) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _is_names(value) -> bool:
+    return isinstance(value, list) and all(isinstance(name, str) for name in value)
+
+
+def _is_coefficients(value) -> bool:
+    pairs = isinstance(value, list) and len(value) <= MAX_COEFFICIENTS
+    return pairs and all(isinstance(p, list) and len(p) == 2 and _is_int(p[0]) and _is_finite(p[1]) for p in value)
+
+
+FIELDS = {
+    "seed": _is_int,
+    "noise_table_size": lambda v: _is_int(v) and CHUNK <= v <= 1 << 31,
+    "dtype": lambda v: v in ("float32", "bfloat16", "float16"),
+    "names": lambda v: v is None or (_is_names(v) and len(v) > 0),
+    "path": lambda v: v is None or (isinstance(v, str) and os.path.isdir(v)),
+    "scale": _is_finite,
+    "decay": lambda v: _is_finite(v) and v >= 0,
+    "coefficients": _is_coefficients,
+}
+"""What each payload field must be; the worker checks every call's arguments before acting on any."""
+
+
+def parse_payload(payload: str, *required: str) -> dict:
+    """The JSON `payload` with its fields checked (`FIELDS`); a ValueError names the first unknown, missing or bad
+    field, before anything changes."""
+    try:
+        args = json.loads(payload)
+    except (TypeError, json.JSONDecodeError) as error:
+        raise ValueError(f"the ES worker takes one JSON object of arguments: {error}") from error
+    if not isinstance(args, dict):
+        raise ValueError("the ES worker takes one JSON object of arguments")
+    for key in [*required, *args]:
+        if key not in FIELDS or key not in args and key in required or not FIELDS[key](args.get(key)):
+            raise ValueError(f"the ES worker refuses argument {key!r}={str(args.get(key))[:80]}")
+    return args
 
 
 class ESWorkerExtension:
@@ -39,7 +90,9 @@ class ESWorkerExtension:
         names ES perturbs, and optionally a directory of safetensors (a checkpoint to resume from). θ comes from
         `weights` (colocate: the trainer's own tensors), else `path`, else the served model's files through vLLM's
         loader. Returns {"fingerprint"} of θ over `names`, or {"error"} when a name is not among the weights."""
-        args = json.loads(payload)
+        args = parse_payload(payload, "seed", "noise_table_size", "dtype", "names")
+        if args["names"] is None:
+            raise ValueError("es_init needs the names of the parameters ES perturbs")
         model = self.model_runner.model
         device = next(model.parameters()).device
         self._es_repacked = device.type == "cpu"
@@ -69,8 +122,8 @@ class ESWorkerExtension:
 
     def es_perturb(self, payload: str) -> None:
         """vLLM's weights ← θ + scale·ε(seed) over `names` (default: all ES names), θ elsewhere."""
-        args = json.loads(payload)
-        names = args.get("names") or self._es_names
+        args = parse_payload(payload, "seed", "scale")
+        names = self._es_known(args.get("names"))
         self._es_push(self._es_weights.member(args["seed"], args["scale"], names))
 
     def es_restore(self, payload: str) -> None:
@@ -83,8 +136,8 @@ class ESWorkerExtension:
         """θ ← θ + Σ_s c_s ε(s) − decay·θ over `names` (default: all ES names), with the trainer's arithmetic (the
         same bits); vLLM then holds the new θ. `coefficients`: [[seed, c_s], ...].
         Returns {"update_norm": ‖Δθ‖₂} for the trainer to check against its own update."""
-        args = json.loads(payload)
-        names = args.get("names") or self._es_names
+        args = parse_payload(payload, "coefficients")
+        names = self._es_known(args.get("names"))
         weights = self._es_weights
         written = weights.center() | set(names)
         coefficients = {int(seed): float(c) for seed, c in args["coefficients"]}
@@ -92,6 +145,13 @@ class ESWorkerExtension:
         weights.capture(names)
         self._es_push(written)
         return {"update_norm": norm}
+
+    def _es_known(self, names: list[str] | None) -> list[str]:
+        """`names` (default: every ES name), each one of the ES names `es_init` took."""
+        unknown = sorted(set(names or ()) - set(self._es_names))
+        if unknown:
+            raise ValueError(f"the ES worker holds no parameters named {unknown[:3]}")
+        return names or self._es_names
 
     def es_fingerprint(self, payload: str) -> dict:
         """{"fingerprint"} over the ES names of the weights vLLM holds now (θ, or the member's)."""
