@@ -218,7 +218,10 @@ class ESTrainer(SavingMixin, _BaseTrainer):
 
     def train(self, *args, **kwargs):
         try:
-            return super().train(*args, **kwargs)
+            output = super().train(*args, **kwargs)
+            if self.state.global_step == 0:
+                raise ValueError("no ES step ran: the training dataset gave no prompts (is it empty?)")
+            return output
         finally:
             self.weights.release()  # the copy of θ and the noise table, rebuilt from the seed when needed
             self._distance = None

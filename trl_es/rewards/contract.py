@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import copy
 import math
 import numbers
 from collections.abc import Callable
@@ -177,8 +178,8 @@ class RewardFunctions:
         as keyword lists. `context` carries `trainer_state`, `log_metric`, `log_extra`.
         """
         keys = [key for key in rows[0] if key not in ("prompt", "completion", "completion_ids")]
-        kwargs = {key: [row[key] for row in rows] for key in keys}
-        kwargs.update(context)
+        data = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids}
+        data |= {key: [row[key] for row in rows] for key in keys}
         rewards = torch.full((len(prompts), len(self.funcs)), math.nan)
         pending = []
         for i, (func, name) in enumerate(zip(self.funcs, self.names, strict=True)):
@@ -187,11 +188,9 @@ class RewardFunctions:
                     self._model_rewards(func, self.processing_classes[i], prompts, completions)
                 )
             elif is_async_callable(func):
-                pending.append(
-                    (i, func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs))
-                )
+                pending.append((i, func(**copy.deepcopy(data), **context)))
             else:
-                output = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+                output = func(**copy.deepcopy(data), **context)  # its own copy: what it changes, no one else sees
                 rewards[:, i] = torch.tensor(self._check(output, name, len(prompts)))
         if pending:
 

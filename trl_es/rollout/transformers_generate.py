@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -70,18 +71,43 @@ class TransformersRollout:
         self.generation_config = generation_config
         self.eos_token_ids = eos_token_ids
         self.chat_template_kwargs = chat_template_kwargs or {}
+        self.warned_context = False
 
     def tokenize(self, prompts: list) -> list[list[int]]:
+        """Token ids of each prompt; a ValueError names an empty or missing prompt, and a prompt that leaves no room
+        for the completion within the model's context warns (once)."""
         prompts = list(prompts)
+        for k, prompt in enumerate(prompts):
+            if prompt is None or not (prompt.strip() if isinstance(prompt, str) else prompt):
+                raise ValueError(
+                    f"prompt {k} of this step is {'None' if prompt is None else 'empty'} ({prompt!r}): every row needs "
+                    "a prompt, text or a list of chat messages"
+                )
         if is_conversational({"prompt": prompts[0]}):
-            return self.tokenizer.apply_chat_template(
+            ids = self.tokenizer.apply_chat_template(
                 conversation=prompts,
                 add_generation_prompt=True,
                 tokenize=True,
                 return_dict=True,
                 **self.chat_template_kwargs,
             )["input_ids"]
-        return self.tokenizer(text=prompts)["input_ids"]
+        else:
+            ids = self.tokenizer(text=prompts)["input_ids"]
+        self._check_context(max(map(len, ids)))
+        return ids
+
+    def _check_context(self, prompt_length: int) -> None:
+        context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        needed = prompt_length + (self.generation_config.max_new_tokens or 0)
+        if context and needed > context and not self.warned_context:
+            self.warned_context = True
+            warnings.warn(
+                f"a prompt of {prompt_length} tokens plus max_completion_length={self.generation_config.max_new_tokens} "
+                f"exceeds the model's context (max_position_embeddings={context}); GRPOTrainer does not truncate "
+                "prompts either: what the model generates beyond its context is unreliable. Shorten the prompts or "
+                "max_completion_length.",
+                stacklevel=2,
+            )
 
     @torch.no_grad()
     def generate(
