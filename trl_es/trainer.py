@@ -292,8 +292,7 @@ class ESTrainer(SavingMixin, _BaseTrainer):
         args, n = self.args, self.args.num_generations
         prompts = [row["prompt"] for row in rows]
         prompt_ids = self.rollout.tokenize(prompts)
-        width = summary_width(len(self.reward_functions.names), len(rows))
-        summaries = torch.zeros(len(slots), width, dtype=torch.float64)
+        summaries = torch.zeros(len(slots), summary_width(len(self.reward_functions.names), len(rows))).double()
         first_member, error = sum(slot is None for slot in slots), None
         try:
             mine = self.distribution.slots(len(slots))
