@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+import functools
 import math
 import textwrap
 import warnings
@@ -13,15 +15,54 @@ from transformers import TrainingArguments
 from .es.fitness import SHAPINGS
 from .es.noise import CHUNK
 from .es.subspaces import PARTITIONS
+from .grpo_fields import check_grpo_only_fields, grpo_only_fields_class
 
 
 BASELINES = ("none", "center")
 SEARCH_SPACES = ("full", "copes", "lowrank", "merge")
 VLLM_MODES = ("colocate", "server")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
+PARAMETER_GROUPS = {
+    "Parameters that control the ES step": (
+        "population_size", "sigma", "learning_rate", "antithetic", "fitness_shaping", "es_baseline",
+        "common_generation_seed", "noise_table_size",
+    ),
+    "Parameters that control what a member perturbs (the search space)": (
+        "es_parameter_patterns", "es_adapter_only", "es_search_space", "copes_groups", "copes_partition",
+        "lowrank_rank", "lowrank_members_per_call", "merge_models", "merge_density", "merge_init", "merge_sigma",
+    ),
+    "Parameters that control the model": ("model_init_kwargs", "trust_remote_code"),
+    "Parameters that control generation": (
+        "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+        "generation_kwargs", "chat_template_kwargs", "cache_implementation",
+    ),
+    "Parameters that control generation with vLLM": (
+        "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url",
+        "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_gpu_memory_utilization",
+        "vllm_max_model_length", "vllm_tensor_parallel_size", "vllm_enforce_eager",
+    ),
+    "Parameters that control the data and the rewards": (
+        "shuffle_dataset", "reward_weights", "multi_objective_aggregation", "mask_truncated_completions",
+    ),
+    "Parameters that control logging and evaluation": (
+        "log_completions", "num_completions_to_print", "log_unique_prompts", "num_generations_eval", "eval_k", "eval_task",
+        "success_threshold", "log_completion_entropy", "log_population_diversity",
+    ),
+    "Parameters that control saving": ("sparse_delta_tau",),
+    "TrainingArguments fields whose default differs for ES": (
+        "lr_scheduler_type", "logging_steps", "max_grad_norm", "remove_unused_columns",
+    ),
+}  # fmt: skip
+"""ESConfig's own fields, grouped for its documentation as GRPOConfig groups its own."""
+
+
+GRPOOnlyFields = grpo_only_fields_class({name for names in PARAMETER_GROUPS.values() for name in names}, __name__)
 
 
 @dataclass
-class ESConfig(TrainingArguments):
+class ESConfig(GRPOOnlyFields, TrainingArguments):
     r"""
     Configuration for [`ESTrainer`]: Evolution Strategies post-training (docs/design.md).
 
@@ -224,6 +265,14 @@ class ESConfig(TrainingArguments):
         },
     )
 
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={
+            "help": "Allow loading models and tokenizers that ship their own Python code (the policy, reward models); "
+            "as in GRPOConfig."
+        },
+    )
+
     # Generation
     num_generations: int = field(
         default=1,
@@ -249,10 +298,36 @@ class ESConfig(TrainingArguments):
         metadata={"help": "Extra arguments for `apply_chat_template` on conversational prompts."},
     )
 
-    # Rewards
+    cache_implementation: str | None = field(
+        default=None, metadata={"help": "The KV-cache implementation `generate` uses (transformers' names)."}
+    )
+
+    # Data and rewards
+    shuffle_dataset: bool = field(
+        default=True,
+        metadata={"help": "Shuffle the training prompts (seeded by `seed`); False reads them in dataset order."},
+    )
     reward_weights: list[float] | None = field(
         default=None,
         metadata={"help": "Weight of each reward function in the per-completion reward (default: all 1.0)."},
+    )
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize",
+        metadata={
+            "help": "How several reward functions make a member's reward R_i: 'sum_then_normalize' averages the "
+            "weighted sum of the functions' rewards (then fitness shaping normalizes across members); "
+            "'normalize_then_sum' z-scores each function's member means across the population first, then sums "
+            "them with reward_weights, so no function dominates by its scale. The logged `reward` is the weighted "
+            "raw sum either way, as in GRPO.",
+            "choices": list(AGGREGATIONS),
+        },
+    )
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata={
+            "help": "Give completions cut at max_completion_length no reward (None): they leave R_i, as GRPO leaves "
+            "them out of its loss."
+        },
     )
 
     # Logging
@@ -264,6 +339,9 @@ class ESConfig(TrainingArguments):
     )
     num_completions_to_print: int | None = field(
         default=None, metadata={"help": "Rows of that table (all when None)."}
+    )
+    log_unique_prompts: bool = field(
+        default=False, metadata={"help": "In that table, show each prompt once (its first completion)."}
     )
 
     # Evaluation and diagnostics
@@ -319,6 +397,9 @@ class ESConfig(TrainingArguments):
             self._check_vllm()
         self._check_generation_and_evaluation()
         self._check_gradient_fields()
+        ignored = check_grpo_only_fields(self, [f.name for f in fields(GRPOOnlyFields)])
+        if ignored:
+            warnings.warn(f"ignored by ES: {', '.join(ignored)} (GRPO loss and batching settings)", stacklevel=3)
         super().__post_init__()
 
     def _refuse(self, name: str, why: str):
@@ -342,6 +423,16 @@ class ESConfig(TrainingArguments):
             refuse("noise_table_size", f"it must hold at least one noise window ({CHUNK} values)")
         if self.weight_decay < 0:
             refuse("weight_decay", "must be ≥ 0")
+        if self.multi_objective_aggregation not in AGGREGATIONS:
+            refuse("multi_objective_aggregation", f"choose one of {AGGREGATIONS}")
+        if self.es_search_space != "merge" and 0 < self.learning_rate < 0.01 * self.sigma:
+            warnings.warn(
+                f"ESConfig.learning_rate={self.learning_rate} looks like a gradient learning rate: in ES it is the step "
+                f"size α of θ ← θ + α·(1/N)·Σ z_i ε_i, {self.sigma / self.learning_rate:.0f}× smaller than "
+                f"sigma={self.sigma}, so the weights barely move. ES usually takes α between 0.1·σ and 2·σ (here "
+                f"{0.1 * self.sigma:.2g} to {2 * self.sigma:.2g}); a GRPO recipe's learning_rate (1e-6) learns nothing.",
+                stacklevel=4,
+            )
         if self.sparse_delta_tau is not None and not self.sparse_delta_tau >= 0:
             refuse("sparse_delta_tau", "the magnitude threshold must be ≥ 0")
 
@@ -438,38 +529,6 @@ class ESConfig(TrainingArguments):
             )
 
 
-PARAMETER_GROUPS = {
-    "Parameters that control the ES step": (
-        "population_size", "sigma", "learning_rate", "antithetic", "fitness_shaping", "es_baseline",
-        "common_generation_seed", "noise_table_size",
-    ),
-    "Parameters that control what a member perturbs (the search space)": (
-        "es_parameter_patterns", "es_adapter_only", "es_search_space", "copes_groups", "copes_partition",
-        "lowrank_rank", "lowrank_members_per_call", "merge_models", "merge_density", "merge_init", "merge_sigma",
-    ),
-    "Parameters that control the model": ("model_init_kwargs",),
-    "Parameters that control generation": (
-        "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-        "generation_kwargs", "chat_template_kwargs",
-    ),
-    "Parameters that control generation with vLLM": (
-        "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url",
-        "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_gpu_memory_utilization",
-        "vllm_max_model_length", "vllm_tensor_parallel_size", "vllm_enforce_eager",
-    ),
-    "Parameters that control the rewards": ("reward_weights",),
-    "Parameters that control logging and evaluation": (
-        "log_completions", "num_completions_to_print", "num_generations_eval", "eval_k", "eval_task",
-        "success_threshold", "log_completion_entropy", "log_population_diversity",
-    ),
-    "Parameters that control saving": ("sparse_delta_tau",),
-    "TrainingArguments fields whose default differs for ES": (
-        "lr_scheduler_type", "logging_steps", "max_grad_norm", "remove_unused_columns",
-    ),
-}  # fmt: skip
-"""ESConfig's own fields, grouped for its documentation as GRPOConfig groups its own."""
-
-
 def _parameters_section(config_class) -> str:
     """The class docstring's "Parameters:" section, GRPOConfig's layout, written from each field's `help`."""
     by_name, lines = {f.name: f for f in fields(config_class)}, ["    Parameters:"]
@@ -485,3 +544,28 @@ def _parameters_section(config_class) -> str:
 
 
 ESConfig.__doc__ = f"{ESConfig.__doc__.rstrip()}\n\n{_parameters_section(ESConfig)}"
+
+
+def unknown_field_error(name: str, known: list[str], owner: str = "ESConfig") -> TypeError:
+    """The error for a field `owner` does not have, naming the closest known one."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return TypeError(f"{owner} has no field {name!r}{hint}")
+
+
+def _naming_unknown_fields(init):
+    """ESConfig's dataclass `__init__`, with an unknown keyword named next to its closest field (not Python's bare
+    'unexpected keyword argument')."""
+    known = [f.name for f in fields(ESConfig)]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        for name in kwargs:
+            if name not in known:
+                raise unknown_field_error(name, known)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+ESConfig.__init__ = _naming_unknown_fields(ESConfig.__init__)

@@ -63,12 +63,14 @@ def _load_adapter(path: str, adapter_only: bool, model_init_kwargs: dict):
     return model.merge_and_unload().requires_grad_(True)  # PEFT froze the base; merged, every weight is trainable
 
 
-def load_tokenizer(path: str | None, model) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str | None, model, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer (left padding, for generation) from `path` when it holds one — a checkpoint or adapter carries
     its own tokenizer and chat template — else from the model's own id."""
     if path is None or not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
         path = get_config_model_id(model.config)
-    return AutoTokenizer.from_pretrained(path, padding_side="left", truncation_side="left")
+    return AutoTokenizer.from_pretrained(
+        path, padding_side="left", truncation_side="left", trust_remote_code=trust_remote_code
+    )
 
 
 def eos_token_ids(model, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -84,7 +86,8 @@ def prepare_model(model, args, processing_class=None, peft_config=None):
     pad token set (the EOS when the tokenizer has none)."""
     model_path = model if isinstance(model, str) else None
     if isinstance(model, str):
-        model = load_starting_model(model, args.es_adapter_only, **dict(args.model_init_kwargs or {}))
+        init_kwargs = {"trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})}
+        model = load_starting_model(model, args.es_adapter_only, **init_kwargs)
     elif args.model_init_kwargs is not None:
         logger.warning("`model_init_kwargs` is ignored: the model is already instantiated.")
     if not isinstance(model, PreTrainedModel) and not _is_peft_model(model):
@@ -103,9 +106,9 @@ def prepare_model(model, args, processing_class=None, peft_config=None):
             "ESConfig.sparse_delta_tau needs a full model: a PEFT adapter is already a compact update (train "
             "without es_adapter_only to get a sparse delta of the merged model)"
         )
-    tokenizer = check_tokenizer(
-        load_tokenizer(model_path, model) if processing_class is None else processing_class, model
-    )
+    if processing_class is None:
+        processing_class = load_tokenizer(model_path, model, args.trust_remote_code)
+    tokenizer = check_tokenizer(processing_class, model)
     model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     disable_dropout_in_model(model)
@@ -163,7 +166,12 @@ def check_prompt_dataset(dataset, name: str = "train_dataset") -> None:
 
 
 def check_eval_dataset(eval_dataset, train_dataset) -> None:
-    """The eval dataset has a 'prompt' column and every column of the train dataset: the rewards read both."""
+    """The eval dataset (or each of a dict of them, e.g. a DatasetDict) has a 'prompt' column and every column of
+    the train dataset: the rewards read both."""
+    if isinstance(eval_dataset, dict):
+        for part in eval_dataset.values():
+            check_eval_dataset(part, train_dataset)
+        return
     check_prompt_dataset(eval_dataset, "eval_dataset")
     train_columns = getattr(train_dataset, "column_names", None) or []
     missing = sorted(set(train_columns) - set(getattr(eval_dataset, "column_names", None) or train_columns))

@@ -44,6 +44,28 @@ def summarize(
     return torch.cat([torch.tensor([member_reward], dtype=torch.float64), moments, tail, success.double()])
 
 
+def member_rewards(summaries: torch.Tensor, weights: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """R_i of each member's summary row (NaN: no reward). 'sum_then_normalize': the mean over its completions of the
+    weighted sum of the reward functions (then fitness shaping normalizes across members). 'normalize_then_sum':
+    each function's mean over the member's completions, z-scored across the members with one, then summed with
+    `weights` (a function without spread counts 0)."""
+    if aggregation == "sum_then_normalize":
+        return summaries[:, 0]
+    n_functions = weights.numel()
+    sums, counts = summaries[:, 4 : 4 + 3 * n_functions : 3], summaries[:, 5 : 5 + 3 * n_functions : 3]
+    means = sums / counts  # NaN where a member has no reward from that function
+    normalized = (means - means.nanmean(0)) / _nanstd(means).clamp_min(1e-8)
+    total = (normalized.nan_to_num(0.0) * weights.double()).sum(1)
+    total[torch.isnan(means).all(1)] = math.nan
+    return total
+
+
+def _nanstd(values: torch.Tensor) -> torch.Tensor:
+    """Per column, the population standard deviation of the non-NaN values."""
+    centered = values - values.nanmean(0)
+    return centered.square().nanmean(0).sqrt().nan_to_num(0.0)
+
+
 def _mean_std(total: float, count: float, squares: float) -> tuple[float, float]:
     """Mean and unbiased standard deviation from Σx, n and Σx² (std 0 below two values; mean NaN for none)."""
     if count == 0:

@@ -56,6 +56,8 @@ class SavingMixin:
     def _save_checkpoint(self, model, trial):
         """Trainer's checkpoint plus the search space's state, written into the staging folder by every process,
         then published by the main process in one rename; older checkpoints are rotated only after that."""
+        if self._metrics:  # the steps since the last log reach the checkpoint's trainer state
+            self.log({})
         run_dir, name = self._get_output_dir(trial), f"checkpoint-{self.state.global_step}"
         staging = os.path.join(run_dir, STAGING, name)
         if self.args.should_save:

@@ -4,8 +4,8 @@ One ES step (`_es_step`) reads top to bottom: the search space asks for the step
 its share of them (form the member, generate, score); one all-reduce gathers every member's rewards; they are shaped
 into fitness; the search space is told, which is the update; the step's metrics are logged. What a member is lives in
 the search space (`trl_es.es.space`), where its weights are written in the weights backend (`trl_es.es.weights`,
-vLLM's in `trl_es.rollout`), how processes share the work in `trl_es.distributed`, checkpoints and saving in
-`trl_es.saving`. transformers' Trainer supplies data, logging, callbacks, checkpoints and the Hub; its optimizer is a
+vLLM's in `trl_es.rollout`), how processes share the work in `trl_es.distributed`, logs and evaluation in
+`trl_es.reporting`, checkpoints and saving in `trl_es.saving`. transformers' Trainer supplies data, logging, callbacks, checkpoints and the Hub; its optimizer is a
 placeholder that only carries α_t.
 """
 
@@ -18,26 +18,25 @@ from collections import defaultdict
 import torch
 from accelerate.data_loader import BatchSamplerShard
 from datasets import Dataset, IterableDataset
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, SequentialSampler
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl.trainer.base_trainer import _BaseTrainer
-from trl.trainer.utils import get_config_model_id, identity, print_prompt_completions_sample
+from trl.trainer.utils import get_config_model_id, identity
 
 from .config import ESConfig
 from .distributed import Distribution
 from .es import FullSpace, SearchSpace, select_parameters, shape_fitness
 from .es.lowrank import LowRankSpace
-from .es.seeds import eval_seed, sampling_seed
-from .evaluation import evaluate_batch, summarize_records
+from .es.seeds import sampling_seed
 from .loading import check_eval_dataset, check_prompt_dataset, prepare_model
-from .population import DistanceFromStart, population_metrics, summarize, summary_width
+from .population import DistanceFromStart, member_rewards, population_metrics, summarize, summary_width
+from .reporting import ReportingMixin
 from .rewards import RewardFunctions
 from .rollout import make_backend
 from .saving import SavingMixin
-from .tasks import get_task
 
 
-class ESTrainer(SavingMixin, _BaseTrainer):
+class ESTrainer(ReportingMixin, SavingMixin, _BaseTrainer):
     """Evolution Strategies trainer with GRPOTrainer's arguments and their meaning.
 
     Each step evaluates `population_size` perturbed copies of the model on the step's prompts, scores their
@@ -117,6 +116,7 @@ class ESTrainer(SavingMixin, _BaseTrainer):
             reward_weights=args.reward_weights,
             reward_processing_classes=reward_processing_classes,
             model_init_kwargs=args.model_init_kwargs,
+            trust_remote_code=args.trust_remote_code,
             chat_template_kwargs=args.chat_template_kwargs,
         )
         super().__init__(
@@ -158,6 +158,14 @@ class ESTrainer(SavingMixin, _BaseTrainer):
             except ImportError as error:
                 raise ImportError("es_search_space='merge' needs cma and peft: pip install 'trl-es[merge]'") from error
         return space.from_config(self.args, self.model, self.weights)
+
+    # GRPOTrainer's public attributes, with the same meaning
+    reward_funcs = property(lambda self: self.reward_functions.funcs, doc="The reward functions and models.")
+    reward_func_names = property(lambda self: self.reward_functions.names, doc="Their names, as in the logs.")
+    reward_weights = property(lambda self: self.reward_functions.weights, doc="Their weights (a float32 tensor).")
+    reward_processing_classes = property(
+        lambda self: self.reward_functions.processing_classes, doc="The reward models' tokenizers (None: callables)."
+    )
 
     # ---- Trainer plumbing -------------------------------------------------------------------------------------
 
@@ -203,10 +211,15 @@ class ESTrainer(SavingMixin, _BaseTrainer):
 
     def get_train_dataloader(self):
         """Every process reads the same prompts: the population is split across processes, not the data. So the
-        step's prompts are `per_device_train_batch_size` rows whatever the number of processes."""
+        step's prompts are `per_device_train_batch_size` rows whatever the number of processes. With
+        `shuffle_dataset` (as GRPOConfig's) a map-style dataset is read in a seeded random order, an iterable one
+        through a seeded shuffle buffer; without it, in dataset order."""
         if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
+            dataset = self.train_dataset
+            if self.args.shuffle_dataset and hasattr(dataset, "shuffle"):
+                dataset = dataset.shuffle(seed=self.args.seed)
             return DataLoader(  # iterated identically on every process (no Accelerate sharding or dispatching)
-                self.train_dataset,
+                dataset,
                 batch_size=self._train_batch_size,
                 collate_fn=self.data_collator,
                 num_workers=self.args.dataloader_num_workers,
@@ -215,6 +228,13 @@ class ESTrainer(SavingMixin, _BaseTrainer):
         if isinstance(dataloader.batch_sampler, BatchSamplerShard):  # undo Accelerate's per-process sharding
             dataloader.batch_sampler.num_processes, dataloader.batch_sampler.process_index = 1, 0
         return dataloader
+
+    def _get_train_sampler(self, train_dataset=None):
+        return (
+            super()._get_train_sampler(train_dataset)
+            if self.args.shuffle_dataset
+            else SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+        )
 
     def train(self, *args, **kwargs):
         try:
@@ -225,24 +245,6 @@ class ESTrainer(SavingMixin, _BaseTrainer):
         finally:
             self.weights.release()  # the copy of θ and the noise table, rebuilt from the seed when needed
             self._distance = None
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        logs = {k: v for k, v in logs.items() if k not in ("loss", "grad_norm")}
-        if self._metrics and "train_runtime" not in logs:
-            logs.update({key: sum(values) / len(values) for key, values in self._metrics.items()})
-            self._metrics.clear()
-            if self.args.log_completions and self._last_completions and self.accelerator.is_main_process:
-                prompts, completions, rewards, extras = self._last_completions
-                print_prompt_completions_sample(
-                    prompts,
-                    completions,
-                    rewards,
-                    None,
-                    self.state.global_step,
-                    self.args.num_completions_to_print,
-                    extras or None,
-                )
-        super().log(logs, start_time)
 
     # ---- The ES step ------------------------------------------------------------------------------------------
 
@@ -265,7 +267,8 @@ class ESTrainer(SavingMixin, _BaseTrainer):
             try:
                 summaries = self._evaluate_population(rows, step, slots, times)
                 timer = time.perf_counter()
-                rewards = summaries[len(slots) - len(members) :, 0]
+                weights, aggregation = self.reward_functions.weights, args.multi_objective_aggregation
+                rewards = member_rewards(summaries[len(slots) - len(members) :], weights, aggregation)
                 center = summaries[0, 0].item() if len(slots) > len(members) else None
                 baseline = center if center is not None and center == center else 0.0  # a NaN centre: no baseline
                 fitness = shape_fitness(rewards - baseline, args.fitness_shaping)
@@ -324,6 +327,8 @@ class ESTrainer(SavingMixin, _BaseTrainer):
         timer, extras = time.perf_counter(), defaultdict(list)
         log_metric = lambda name, value: self._metrics[name].append(value)  # noqa: E731
         per_func = self._rewards(rows, rollout, log_metric, lambda column, values: extras[column].extend(values))
+        if self.args.mask_truncated_completions:  # cut completions get no reward, as GRPO leaves them out of its loss
+            per_func[torch.tensor(rollout.truncated, dtype=torch.bool)] = float("nan")
         combined = self.reward_functions.combine(per_func)
         reward = combined.nanmean().item()
         self._metrics["es/time/reward"].append(time.perf_counter() - timer)
@@ -352,39 +357,6 @@ class ESTrainer(SavingMixin, _BaseTrainer):
         step |= {f"es/time/{name}": times[name] for name in ("noise", "update", "communication")}
         for name, value in step.items():
             metrics[name].append(value)
-
-    # ---- Evaluation ---------------------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Pass@K for K in `eval_k` (and Maj@K with `eval_task`) of the current θ on the eval prompts, with
-        `num_generations_eval` completions each (`trl_es.evaluation.evaluate_batch`, the loop `trl-es eval` runs);
-        also the mean reward and token entropy. Each process takes every K-th prompt; the sums are all-reduced.
-        Runs at `eval_steps` with `eval_strategy="steps"`, as in any Trainer."""
-        args, accelerator = self.args, self.accelerator
-        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
-        if dataset is None:
-            raise ValueError("ESTrainer.evaluate needs an `eval_dataset`")
-        start_time, n = time.perf_counter(), args.num_generations_eval or args.num_generations
-        extract = get_task(args.eval_task).extract_answer if args.eval_task else None
-        rank, world, size = accelerator.process_index, accelerator.num_processes, args.per_device_eval_batch_size
-        rows, records = list(dataset)[rank::world], []
-        options = (args.eval_k, extract, args.success_threshold, self.rollout.records_entropy)
-        self.weights.start()
-        with self._full_parameters():
-            for start in range(0, len(rows), size):
-                seed = eval_seed(args.seed, self.state.global_step, rank + start * world)  # the chunk's first problem
-                rewards_of = lambda rows, rollout: self.reward_functions.combine(self._rewards(rows, rollout))  # noqa: E731
-                records.append(evaluate_batch(self.rollout, rows[start : start + size], n, seed, rewards_of, *options))
-        reduce = lambda totals: accelerator.reduce(totals.to(accelerator.device), "sum").cpu()  # noqa: E731
-        summary = summarize_records(records, args.eval_k, extract is not None, reduce)
-        metrics = {f"{metric_key_prefix}_{key}": value for key, value in summary.items() if key != "problems"}
-        if not self.rollout.records_entropy:
-            del metrics[f"{metric_key_prefix}_mean_token_entropy"]
-        metrics[f"{metric_key_prefix}_runtime"] = round(time.perf_counter() - start_time, 4)
-        super().log(metrics)  # not self.log, which would fold pending training metrics into this record
-        self.control = self.callback_handler.on_evaluate(args, self.state, self.control, metrics)
-        return metrics
 
     def _rewards(self, rows: list[dict], rollout, log_metric=lambda *_: None, log_extra=lambda *_: None):
         """Each reward function's rewards of `rollout`'s completions (GRPOTrainer's contract: `trl_es.rewards`)."""

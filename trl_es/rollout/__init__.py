@@ -22,6 +22,7 @@ def generation_config(args, tokenizer, eos_token_ids: list[int]) -> GenerationCo
         "top_k": args.top_k,
         "min_p": args.min_p,
         "repetition_penalty": args.repetition_penalty,
+        "cache_implementation": args.cache_implementation,
         **(args.generation_kwargs or {}),  # they override the fields above
     }
     return GenerationConfig(**settings, disable_compile=True)

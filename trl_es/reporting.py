@@ -1,0 +1,97 @@
+"""What ESTrainer reports: the training metrics of each logging window, and evaluations.
+
+A mixin of `ESTrainer`. Every step appends its metrics (`trl_es.population`) to `self._metrics`; `log` — called by
+Trainer every `logging_steps`, at the end of training, and by `ESTrainer` before each checkpoint — logs their
+means over the window, NaN values left out (a metric with none left logs None), as GRPOTrainer does, so no step's
+metrics are lost. `evaluate` runs the evaluation loop `trl-es eval` runs (`trl_es.evaluation.evaluate_batch`), on one
+eval dataset or on each of a dict of them (`eval_<name>_*`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from trl.trainer.utils import print_prompt_completions_sample
+
+from .es.seeds import eval_seed
+from .evaluation import evaluate_batch, summarize_records
+from .tasks import get_task
+
+
+def window_means(metrics: dict[str, list[float]]) -> dict[str, float | None]:
+    """Each metric's mean over the logging window, NaN values left out (None when nothing is left)."""
+    means = {}
+    for key, values in metrics.items():
+        kept = [value for value in values if not math.isnan(value)]
+        means[key] = sum(kept) / len(kept) if kept else None
+    return means
+
+
+class ReportingMixin:
+    """`log` and `evaluate` of `ESTrainer` (see the module docstring)."""
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Trainer's log record, without the loss and gradient norm ES does not have, with the window's metrics."""
+        logs = {k: v for k, v in logs.items() if k not in ("loss", "grad_norm")}
+        if self._metrics:
+            logs.update(window_means(self._metrics))
+            self._metrics.clear()
+            if self.args.log_completions and self._last_completions and self.accelerator.is_main_process:
+                self._print_completions()
+        super().log(logs, start_time)
+
+    def _print_completions(self) -> None:
+        """The first member's prompts, completions and rewards of the latest step, as GRPOTrainer prints them."""
+        prompts, completions, rewards, extras = self._last_completions
+        rows = range(len(prompts))
+        if self.args.log_unique_prompts:
+            first = {str(prompt): k for k, prompt in reversed(list(enumerate(prompts)))}
+            rows = sorted(first.values())
+        pick = lambda values: [values[k] for k in rows]  # noqa: E731
+        print_prompt_completions_sample(
+            pick(prompts),
+            pick(completions),
+            {name: pick(values) for name, values in rewards.items()},
+            None,
+            self.state.global_step,
+            self.args.num_completions_to_print,
+            {name: pick(values) for name, values in extras.items()} or None,
+        )
+
+    @torch.no_grad()
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Pass@K for K in `eval_k` (and Maj@K with `eval_task`) of the current θ on the eval prompts, with
+        `num_generations_eval` completions each; also the mean reward, completion length and token entropy. A dict
+        of datasets (or a DatasetDict) is evaluated name by name, as `<prefix>_<name>_<metric>`. Each process takes
+        every K-th prompt; the sums are all-reduced. Runs at `eval_steps` with `eval_strategy="steps"`."""
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if dataset is None:
+            raise ValueError("ESTrainer.evaluate needs an `eval_dataset`")
+        if isinstance(dataset, dict):
+            metrics = {}
+            for name, part in dataset.items():
+                metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        args, accelerator, start_time = self.args, self.accelerator, time.perf_counter()
+        n = args.num_generations_eval or args.num_generations
+        extract = get_task(args.eval_task).extract_answer if args.eval_task else None
+        rank, world, size = accelerator.process_index, accelerator.num_processes, args.per_device_eval_batch_size
+        rows, records = list(dataset)[rank::world], []
+        options = (args.eval_k, extract, args.success_threshold, self.rollout.records_entropy)
+        rewards_of = lambda rows, rollout: self.reward_functions.combine(self._rewards(rows, rollout))  # noqa: E731
+        self.weights.start()
+        with self._full_parameters():
+            for start in range(0, len(rows), size):
+                seed = eval_seed(args.seed, self.state.global_step, rank + start * world)  # the chunk's first problem
+                records.append(evaluate_batch(self.rollout, rows[start : start + size], n, seed, rewards_of, *options))
+        reduce = lambda totals: accelerator.reduce(totals.to(accelerator.device), "sum").cpu()  # noqa: E731
+        summary = summarize_records(records, args.eval_k, extract is not None, reduce)
+        metrics = {f"{metric_key_prefix}_{key}": value for key, value in summary.items() if key != "problems"}
+        if not self.rollout.records_entropy:
+            del metrics[f"{metric_key_prefix}_mean_token_entropy"]
+        metrics[f"{metric_key_prefix}_runtime"] = round(time.perf_counter() - start_time, 4)
+        super().log(metrics)  # not self.log, which would fold pending training metrics into this record
+        self.control = self.callback_handler.on_evaluate(args, self.state, self.control, metrics)
+        return metrics
