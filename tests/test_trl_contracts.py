@@ -2,8 +2,6 @@
 
 import asyncio
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -217,12 +215,16 @@ def test_push_to_hub_goes_through_trainer(tmp_path, tiny_model_dir, prompt_datas
     assert {"model.safetensors", "README.md", "config.json"} <= set(uploads[-1][1])
 
 
-def test_cli_trains_from_a_yaml_recipe(tmp_path, tiny_model_dir, prompt_dataset):
+def test_cli_trains_from_a_yaml_recipe(tmp_path, tiny_model_dir, prompt_dataset, monkeypatch, capsys):
+    """`trl-es es --config recipe.yaml` with a local data file and a reward function from a module in the working
+    directory (a dotted path, as in TRL's script); a bad reward name is one line naming it."""
+    from trl_es.cli import main
+
     data = tmp_path / "data.jsonl"
     data.write_text(
         "\n".join(
             json.dumps({"prompt": p, "target": t})
-            for p, t in zip(prompt_dataset["prompt"], prompt_dataset["target"], strict=False)
+            for p, t in zip(prompt_dataset["prompt"], prompt_dataset["target"], strict=True)
         )
     )
     (tmp_path / "my_rewards.py").write_text(
@@ -235,36 +237,21 @@ def test_cli_trains_from_a_yaml_recipe(tmp_path, tiny_model_dir, prompt_dataset)
         f"output_dir: {tmp_path / 'cli-out'}\npopulation_size: 4\nsigma: 0.01\nper_device_train_batch_size: 4\n"
         "max_completion_length: 4\nmax_steps: 5\nsave_strategy: 'no'\nreport_to: none\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "trl_es.cli", "es", "--config", str(recipe), "--max_steps", "2"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)
+    assert main(["es", "--config", str(recipe), "--max_steps", "2"]) == 0
     assert (tmp_path / "cli-out" / "model.safetensors").is_file()
     assert "trl-es" in (tmp_path / "cli-out" / "README.md").read_text()
-    bad = subprocess.run(
-        [sys.executable, "-m", "trl_es.cli", "es", "--config", str(recipe), "--reward_funcs", "nope"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert bad.returncode != 0 and "Unknown reward function 'nope'" in bad.stderr
+    with pytest.raises(SystemExit, match="Unknown reward function 'nope'"):
+        main(["es", "--config", str(recipe), "--reward_funcs", "nope"])
 
 
 def test_example_recipe_parses_into_esconfig():
-    from trl import TrlParser
-
-    from trl_es.cli import ESScriptArguments
-    from trl_es.config import ESConfig
+    from trl_es.script import make_parser
 
     recipe = Path(__file__).parent.parent / "examples" / "recipe.yaml"
-    script_args, args = TrlParser((ESScriptArguments, ESConfig)).parse_args_and_config(
+    script_args, args, model_args, _ = make_parser().parse_args_and_config(
         args=["--config", str(recipe), "--output_dir", "/tmp/unused"]
     )
-    assert script_args.model_name_or_path == "smollm2" and script_args.reward_funcs == ["first_integer_reward"]
+    assert model_args.model_name_or_path == "smollm2" and script_args.reward_funcs == ["first_integer_reward"]
     assert (args.population_size, args.sigma, args.learning_rate) == (8, 0.003, 0.002)
     assert args.generation_kwargs == {"do_sample": False}
