@@ -114,6 +114,7 @@ def test_different_architectures_are_named(pair):
         check_same_architecture(base, {**tuned, "a.weight": torch.zeros(3, 2)})
 
 
+@pytest.mark.slow  # launches the command as real processes
 def test_sparsify_and_apply_delta_commands_on_real_models(tmp_path, tiny_model_dir):
     import subprocess
     import sys

@@ -108,6 +108,12 @@ class ESTrainer(ReportingMixin, SavingMixin, _BaseTrainer):
         if not isinstance(args, ESConfig):
             raise TypeError(f"`args` must be an ESConfig, got {type(args).__name__}")
         check_prompt_dataset(train_dataset)
+        if isinstance(train_dataset, IterableDataset) and args.dataloader_num_workers:
+            warnings.warn(  # as GRPOTrainer: each worker would read the whole stream, every prompt N times
+                f"dataloader_num_workers={args.dataloader_num_workers} is set to 0 for an iterable train dataset",
+                stacklevel=2,
+            )
+            args.dataloader_num_workers = 0
         if eval_dataset is not None:
             check_eval_dataset(eval_dataset, train_dataset)
         model, processing_class, eos_ids = prepare_model(model, args, processing_class, peft_config)
