@@ -20,6 +20,7 @@ def weights(path):
     return dict(AutoModelForCausalLM.from_pretrained(path).named_parameters())
 
 
+@pytest.mark.slow  # real GRPOTrainer and ESTrainer stages, both orders
 @pytest.mark.parametrize("order", ["grpo-es", "es-grpo"])
 def test_sequential_example_runs_both_orders_and_keeps_each_stage(tmp_path, tiny_model_dir, order):
     spec = importlib.util.spec_from_file_location("sequential", EXAMPLE)

@@ -191,6 +191,7 @@ def merge_parts(tmp_path_factory, tiny_model_dir):
     return [str(folder / "skilled"), str(folder / "drift")], prompts
 
 
+@pytest.mark.slow  # 4 CMA-ES steps twice; the fast regression guard holds Hyper-ES's resume bitwise too
 def test_hyper_es_finds_a_merge_saves_it_and_resumes_bitwise(tmp_path, tiny_model_dir, merge_parts):
     models, prompts = merge_parts
     settings = {

@@ -75,20 +75,32 @@ def test_model_weights_as_a_pickle_do_not_execute(tmp_path, tiny_model_dir, prom
     assert not marker.exists()
 
 
-@pytest.fixture
-def merge_run(tmp_path, tiny_model_dir, prompt_dataset):
-    """A Hyper-ES run (one fine-tuned model: the tiny model drifted) with checkpoint-1."""
+@pytest.fixture(scope="module")
+def merge_checkpoint(tmp_path_factory, tiny_model_dir):
+    """A Hyper-ES run (one fine-tuned model: the tiny model drifted) with checkpoint-1, trained once."""
+    from datasets import Dataset
     from transformers import AutoModelForCausalLM
 
+    folder = tmp_path_factory.mktemp("merge")
     tuned = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     with torch.no_grad():
         for p in tuned.parameters():
             p.add_(0.01)
-    tuned.save_pretrained(tmp_path / "tuned")
-    settings = dict(es_search_space="merge", merge_models=[str(tmp_path / "tuned")], save_strategy="steps")
-    args = es_config(tmp_path / "merge", max_steps=1, save_steps=1, **settings)
-    ESTrainer(tiny_model_dir, reward, args=args, train_dataset=prompt_dataset).train()
-    return tmp_path / "merge" / "out" / "checkpoint-1", settings
+    tuned.save_pretrained(folder / "tuned")
+    settings = dict(es_search_space="merge", merge_models=[str(folder / "tuned")], save_strategy="steps")
+    args = es_config(folder / "merge", max_steps=1, save_steps=1, **settings)
+    dataset = Dataset.from_dict({"prompt": [f"Count to {n}:" for n in range(1, 9)]})
+    ESTrainer(tiny_model_dir, reward, args=args, train_dataset=dataset).train()
+    return folder / "merge" / "out" / "checkpoint-1", settings
+
+
+@pytest.fixture
+def merge_run(tmp_path, merge_checkpoint):
+    """A copy of the Hyper-ES checkpoint, to tamper with."""
+    checkpoint, settings = merge_checkpoint
+    copy = tmp_path / "checkpoint-1"
+    shutil.copytree(checkpoint, copy)
+    return copy, settings
 
 
 def resume_merge(tmp_path, tiny_model_dir, prompt_dataset, checkpoint, settings):

@@ -109,6 +109,7 @@ def test_local_files_and_their_errors(tmp_path, monkeypatch):
     assert local_data("gsm8k/test.jsonl", hub_id="openai/gsm8k") == "openai/gsm8k"
 
 
+@pytest.mark.slow  # 30 MBPP programs through the sandbox
 def test_every_task_rewards_its_reference_answers_and_only_them():
     """Reward ≥ 1 exactly for correct answers (the evaluation's notion of correct), on the real rows."""
     references = {
