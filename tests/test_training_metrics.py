@@ -88,3 +88,28 @@ def test_bad_evaluation_settings_are_refused(tmp_path, tiny_model_dir, sums):
             args=config(tmp_path, eval_strategy="steps", eval_steps=1),
             train_dataset=sums,
         )
+
+
+def test_every_step_reaches_the_logs_with_logging_steps_above_one(tmp_path, tiny_model_dir, prompt_dataset):
+    """logging_steps=2, max_steps=3: steps 1-2 are averaged into one record, step 3's metrics reach the final record
+    (GRPO's behaviour); a checkpoint between logging steps carries the metrics of the steps before it."""
+    import json
+
+    per_step = []
+
+    def length(completions, **kwargs):
+        rewards = [float(len(c)) for c in completions]
+        per_step.append(sum(rewards) / len(rewards))
+        return rewards
+
+    args = config(tmp_path, max_steps=3, logging_steps=2, save_strategy="steps", save_steps=3)
+    trainer = ESTrainer(tiny_model_dir, length, args=args, train_dataset=prompt_dataset)
+    trainer.train()
+    logged = [log for log in trainer.state.log_history if "reward" in log]
+    assert [log["step"] for log in logged] == [2, 3]
+    members = args.population_size
+    steps = [sum(per_step[k * members : (k + 1) * members]) / members for k in range(3)]
+    assert logged[0]["reward"] == pytest.approx((steps[0] + steps[1]) / 2)  # the window's mean
+    assert logged[1]["reward"] == pytest.approx(steps[2])
+    saved = json.loads((tmp_path / "out" / "checkpoint-3" / "trainer_state.json").read_text())
+    assert any(log.get("step") == 3 and "reward" in log for log in saved["log_history"])
