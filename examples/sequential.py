@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--reward", default="first_integer_reward", help="built-in name or dotted import path")
     options = parser.parse_args(argv)
 
-    from trl_es.script import load_reward_funcs
     from trl_es.models import smollm2_dir
+    from trl_es.script import load_reward_funcs
     from trl_es.tasks import small_sums
 
     model = smollm2_dir() if options.model == "smollm2" else options.model

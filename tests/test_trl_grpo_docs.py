@@ -237,9 +237,7 @@ def test_trl_cli_test_grpo_command(tmp_path, tiny_model_dir):
     """TRL's tests/test_cli.py `test_grpo`, with the tiny model's own reward model stand-in and the offline zen."""
     from pathlib import Path
 
-    from transformers import AutoModelForSequenceClassification
-
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     reward_model = tmp_path / "reward-model"
     AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).save_pretrained(reward_model)
