@@ -15,6 +15,8 @@ trl-es sparsity-sweep --base B --tuned T [--taus 1e-3,2e-3] [--top 0.01]
 trl-es eval --model M [--model M2 ...] --task gsm8k --n 8 --k 1,4,8 [--limit 50] [--out-dir D]
                                      # Pass@K, Maj@K and token entropy per model: a table, results.json,
                                      # Pass@K-profile and Pareto plots; resumes an interrupted run
+trl-es replay --chain es_chain.json --base M --out DIR [--steps K]
+                                     # the trained model rebuilt bitwise from the starting model and the seed chain
 trl-es vllm-serve --model M [--host 127.0.0.1] [--port 8000] [vllm serve flags ...]
                                      # vLLM's server with the ES worker extension, for vllm_mode="server"
 
@@ -130,6 +132,15 @@ def main(argv: list[str] | None = None) -> int:
             evaluate(rest)
         except (ValueError, FileNotFoundError) as error:
             print(f"trl-es eval: {error}", file=sys.stderr)
+            return 1
+        return 0
+    if command == "replay":
+        from .chains import main as replay
+
+        try:
+            replay(rest)
+        except (ValueError, FileNotFoundError) as error:
+            print(f"trl-es replay: {error}", file=sys.stderr)
             return 1
         return 0
     if command == "vllm-serve":

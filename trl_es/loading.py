@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 
+import torch
 from datasets import Dataset
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.trainer_utils import _is_peft_model
 from transformers.utils import logging
 from trl.trainer.utils import create_model_from_path, disable_dropout_in_model, get_config_model_id
+
+from .es.seeds import adapter_init_seed
 
 
 logger = logging.get_logger(__name__)
@@ -95,7 +98,7 @@ def prepare_model(model, args, processing_class=None, peft_config=None):
             f"`model` must be a model id, a path, a PreTrainedModel or a PeftModel, got {type(model).__name__}"
         )
     if peft_config is not None:
-        model = add_adapter(model, peft_config)
+        model = add_adapter(model, peft_config, args.seed)
     if _is_peft_model(model) and args.use_vllm:
         raise ValueError(
             "use_vllm=True loads full models into vLLM, which ES perturbs by HF parameter name: train adapters "
@@ -115,8 +118,9 @@ def prepare_model(model, args, processing_class=None, peft_config=None):
     return model, tokenizer, eos_token_ids(model, tokenizer)
 
 
-def add_adapter(model, peft_config):
-    """A new adapter, as in GRPOTrainer: ES then perturbs its weights only."""
+def add_adapter(model, peft_config, seed: int):
+    """A new adapter, as in GRPOTrainer: ES then perturbs its weights only. Its initial weights are drawn from a seed
+    derived from the run's, so a seed chain can rebuild them."""
     if _is_peft_model(model):
         raise ValueError(
             "`peft_config` adds a new adapter, but the model already is a PeftModel (an adapter loaded with "
@@ -126,7 +130,9 @@ def add_adapter(model, peft_config):
         from peft import get_peft_model
     except ImportError as error:
         raise ImportError("`peft_config` needs peft: pip install 'trl-es[peft]'") from error
-    return get_peft_model(model, peft_config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(adapter_init_seed(seed))
+        return get_peft_model(model, peft_config)
 
 
 def check_tokenizer(tokenizer, model) -> PreTrainedTokenizerBase:

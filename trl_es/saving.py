@@ -5,6 +5,10 @@ states; ESTrainer adds the search space's own state to each checkpoint, gathers 
 hands a loaded checkpoint to the weights backend (vLLM takes it at its next start), and appends the ES settings to
 TRL's model card (plus the sparse delta's statistics with `sparse_delta_tau`).
 
+Every checkpoint and saved model carries the run's seed chain, `es_chain.json` (`trl_es.chains`): the updates of
+every step, from which the weights can be rebuilt from the starting model; a resumed run continues its checkpoint's
+chain. `push_to_hub(chain_only=True)` publishes just the chain and a model card saying how to replay it.
+
 Every save is atomic (`trl_es.atomic`): a checkpoint is written whole into `<output_dir>/.staging/checkpoint-K`,
 flushed to disk and renamed to `checkpoint-K`, and only then are older checkpoints rotated away, so a crash at any
 moment leaves every `checkpoint-K` complete and `resume_from_checkpoint=True` (the newest one) resumable; a saved
@@ -15,12 +19,15 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 
 from transformers.trainer_utils import rotate_checkpoints
 from trl.trainer.utils import get_config_model_id
 
 from . import sparse
 from .atomic import atomic_directory, publish_directory
+from .chains import FILE as CHAIN_FILE
+from .chains import Chain, load_chain
 
 
 STAGING = ".staging"
@@ -45,6 +52,8 @@ class SavingMixin:
             self.distribution.write_shards(self.model.parameters())
         self.weights.loaded(resume_from_checkpoint)
         self.space.load_state(resume_from_checkpoint)
+        if os.path.isfile(os.path.join(resume_from_checkpoint, CHAIN_FILE)):  # else a new chain starts from here
+            self.chain = load_chain(resume_from_checkpoint)
 
     _staging_checkpoint = False
 
@@ -71,6 +80,8 @@ class SavingMixin:
             self._staging_checkpoint = False
         if self.args.should_save:
             self.space.save_state(staging)
+            if self.chain is not None:
+                self.chain.save(staging)
         self.accelerator.wait_for_everyone()  # every process's files (e.g. its RNG state) are in
         if self.args.should_save:
             publish_directory(staging, os.path.join(run_dir, name))
@@ -88,6 +99,8 @@ class SavingMixin:
             else:
                 with atomic_directory(output_dir) as staging:
                     super().save_model(staging, _internal_call=True)  # Trainer pushes below, once published
+                    if self.chain is not None:
+                        self.chain.save(staging)
                     if self.args.sparse_delta_tau is not None:
                         self._sparse_delta_card = sparse.write_model_delta(
                             self.model, staging, self.args.sparse_delta_tau
@@ -114,3 +127,77 @@ class SavingMixin:
         rows = "\n".join(f"| {k} | `{v}` |" for k, v in settings.items())
         with open(os.path.join(args.output_dir, "README.md"), "a", encoding="utf-8") as card:
             card.write(f"\n## Evolution Strategies settings\n\n| setting | value |\n|---|---|\n{rows}\n")
+
+    def start_chain(self) -> None:
+        """A new seed chain from the weights held now (at the first step of a run that did not resume one)."""
+        args, named = self.args, dict(self.model.named_parameters())
+        peft_config = getattr(self.model, "peft_config", {}).get("default") if self._new_adapter else None
+        base = {
+            "model": self._model_source,
+            "revision": (args.model_init_kwargs or {}).get("revision"),
+            "sha256": sparse.weights_hash(named),
+            "es_adapter_only": args.es_adapter_only,
+            "peft_config": _jsonable(peft_config.to_dict()) if peft_config is not None else None,
+        }
+        self.chain = Chain({
+            "base": base,
+            "dtype": str(next(iter(self.es_params.values())).dtype).removeprefix("torch."),
+            "parameters": list(self.es_params),
+            "noise": {"seed": args.seed, "table_size": args.noise_table_size},
+            "space": self.space.chain_header(),
+            "settings": {name: getattr(args, name) for name in CHAIN_SETTINGS},
+        })  # fmt: skip
+
+    def push_to_hub(self, commit_message="End of training", blocking=True, token=None, revision=None, **kwargs):
+        """Trainer's `push_to_hub`; with `chain_only=True`, only `es_chain.json` and a model card naming the base
+        and the two-line replay go to `hub_model_id` (or `<output_dir name>`): a few kilobytes instead of the
+        weights."""
+        if not kwargs.pop("chain_only", False):
+            return super().push_to_hub(commit_message, blocking, token, revision, **kwargs)
+        if self.chain is None:
+            raise ValueError("no seed chain yet: push_to_hub(chain_only=True) comes after training")
+        if not self.is_world_process_zero():
+            return None
+        from huggingface_hub import HfApi
+
+        api, repo = (
+            HfApi(token=token or self.args.hub_token),
+            self.args.hub_model_id or os.path.basename(os.path.abspath(self.args.output_dir)),
+        )
+        repo_id = api.create_repo(repo, private=self.args.hub_private_repo, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as folder:
+            self.chain.save(folder)
+            with open(os.path.join(folder, "README.md"), "w", encoding="utf-8") as card:
+                card.write(chain_card(self.chain, repo_id, os.path.getsize(os.path.join(folder, CHAIN_FILE))))
+            return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
+                                     revision=revision or self.args.hub_revision)  # fmt: skip
+
+
+CHAIN_SETTINGS = ("population_size", "sigma", "learning_rate", "lr_scheduler_type", "weight_decay", "antithetic",
+                  "fitness_shaping", "es_baseline", "es_search_space", "num_generations",
+                  "per_device_train_batch_size")  # fmt: skip
+"""The ESConfig fields a chain records for the reader (replay needs only the updates)."""
+
+
+def _jsonable(value):
+    """`value` with sets as sorted lists, for JSON."""
+    if isinstance(value, dict):
+        return {key: _jsonable(item) for key, item in value.items()}
+    if isinstance(value, (set, frozenset, list, tuple)):
+        items = [_jsonable(item) for item in value]
+        return sorted(items, key=str) if isinstance(value, (set, frozenset)) else items
+    return value
+
+
+def chain_card(chain: Chain, repo_id: str, size: int) -> str:
+    """The model card of a chain-only repository."""
+    base = chain.header["base"]
+    updates = sum(entry["update"] is not None for entry in chain.steps)
+    return (
+        f"---\ntags: [trl, trl-es, evolution-strategies, es-chain]\nbase_model: {base['model']}\n---\n\n"
+        f"# {repo_id}: an ES seed chain\n\nThis repository holds no weights: `es_chain.json` ({size / 1024:.1f} KiB) "
+        f"records {len(chain.steps)} ES steps ({updates} updates) of a run that started from `{base['model']}` "
+        f"(weights SHA-256 `{base['sha256']}`). Replay rebuilds the trained model bitwise on the device type and "
+        "dtype of training:\n\n```bash\npip install trl-es\n"
+        f"trl-es replay --base {base['model']} --chain {repo_id} --out model\n```\n"
+    )

@@ -116,6 +116,8 @@ class ESTrainer(ReportingMixin, SavingMixin, _BaseTrainer):
             args.dataloader_num_workers = 0
         if eval_dataset is not None:
             check_eval_dataset(eval_dataset, train_dataset)
+        self._model_source = model if isinstance(model, str) else get_config_model_id(model.config)
+        self._new_adapter, self.chain = peft_config is not None, None  # the run's seed chain (trl_es.chains)
         model, processing_class, eos_ids = prepare_model(model, args, processing_class, peft_config)
         self.reward_functions = RewardFunctions(
             reward_funcs,
@@ -263,6 +265,8 @@ class ESTrainer(ReportingMixin, SavingMixin, _BaseTrainer):
         args = self.args
         with self._full_parameters():
             self.weights.start()
+            if self.chain is None:
+                self.start_chain()
             if self._distance is None:
                 self._distance = DistanceFromStart(self.es_params)
             members = self.space.ask(step)
@@ -288,6 +292,7 @@ class ESTrainer(ReportingMixin, SavingMixin, _BaseTrainer):
                     )
                 else:
                     outcome = {**self.space.tell(members, rewards, fitness, learning_rate), "es/skipped_update": 0.0}
+                self.chain.record(step, None if fitness is None else self.space.last_update)
                 times["update"] = time.perf_counter() - timer
             except BaseException:
                 self.weights.restore()

@@ -66,11 +66,31 @@ class FullSpace(SearchSpace):
         pairs = [(m.seed, m.sign) for m in members]
         if self.groups is None:
             coefficients = update_coefficients(fitness, pairs, learning_rate, int(valid.sum()))
+            self.last_update = {"updates": [_record(None, coefficients, decay)]}
             return {"es/update_norm": self.weights.update(coefficients, decay)}
-        squared = 0.0
+        squared, self.last_update = 0.0, {"updates": []}
         for g, names in enumerate(self.groups):
             own = [i for i, m in enumerate(members) if m.group == g]
             n_valid = max(int(valid[own].sum()), 1)
             coefficients = update_coefficients(fitness[own], [pairs[i] for i in own], learning_rate, n_valid)
+            self.last_update["updates"].append(_record(g, coefficients, decay))
             squared += self.weights.update(coefficients, decay, names) ** 2
         return {"es/update_norm": squared**0.5}
+
+    def chain_header(self) -> dict:
+        return {"kind": "full", "groups": self.groups}
+
+    @staticmethod
+    def replayer(header: dict, weights):
+        def replay(update: dict) -> None:
+            for part in update["updates"]:
+                names = None if part["group"] is None else header["groups"][part["group"]]
+                coefficients = {int(seed): float(c) for seed, c in part["coefficients"]}
+                weights.update(coefficients, part["decay"], names)
+
+        return replay
+
+
+def _record(group: int | None, coefficients: dict[int, float], decay: float) -> dict:
+    """One update as a seed chain keeps it: (seed, coefficient) pairs in the order they were summed."""
+    return {"group": group, "coefficients": [[seed, c] for seed, c in coefficients.items()], "decay": decay}

@@ -149,7 +149,13 @@ def lowrank_update(
     float32 matmul [c_1·A_1 … c_S·A_S]·[B_1 … B_S]ᵀ/√r, added in float32 and cast to the weight dtype once.
     Returns ‖Δθ‖₂ of the float32 update.
     """
-    coefficients = update_coefficients(fitness, directions, learning_rate, n_members)
+    return apply_lowrank_update(weights, update_coefficients(fitness, directions, learning_rate, n_members), rank)
+
+
+@torch.no_grad()
+def apply_lowrank_update(weights: dict[str, torch.Tensor], coefficients: dict[int, float], rank: int = 1) -> float:
+    """W ← W + Σ_s c_s·A_s·B_sᵀ/√r for each weight, in place (the coefficients already hold α/N·Σ z·sign): one
+    float32 matmul per matrix, added in float32 and cast to the weight dtype once. Returns ‖Δθ‖₂."""
     squared_norm = 0.0
     for name, weight in weights.items():
         factors = [lowrank_factors(seed, name, weight.shape, rank, device=weight.device) for seed in coefficients]
@@ -214,4 +220,19 @@ class LowRankSpace(SearchSpace):
     def tell(self, members: list[Direction], rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float):
         weights = {name: module.weight.data for name, module in self.targets.items()}
         pairs, n_valid = [(m.seed, m.sign) for m in members], int((~torch.isnan(rewards)).sum())
-        return {"es/update_norm": lowrank_update(weights, pairs, fitness, learning_rate, n_valid, self.rank)}
+        coefficients = update_coefficients(fitness, pairs, learning_rate, n_valid)
+        self.last_update = {"coefficients": [[seed, c] for seed, c in coefficients.items()]}
+        return {"es/update_norm": apply_lowrank_update(weights, coefficients, self.rank)}
+
+    def chain_header(self) -> dict:
+        return {"kind": "lowrank", "rank": self.rank, "targets": list(self.targets)}
+
+    @staticmethod
+    def replayer(header: dict, weights):
+        targets = {name: weights.params[name].data for name in header["targets"]}
+
+        def replay(update: dict) -> None:
+            coefficients = {int(seed): float(c) for seed, c in update["coefficients"]}
+            apply_lowrank_update(targets, coefficients, header["rank"])
+
+        return replay

@@ -190,6 +190,12 @@ class MergeSearch:
         self.__dict__.update(replayed.__dict__)
 
 
+def _hash(named: Mapping[str, torch.Tensor]) -> str:
+    from ..sparse import weights_hash
+
+    return weights_hash(named)
+
+
 def _is_pair_of_ints(value) -> bool:
     return isinstance(value, list) and len(value) == 2 and all(type(v) is int and v > 0 for v in value)
 
@@ -221,6 +227,7 @@ class MergeSpace(SearchSpace):
     ):
         self.weights, self.density, self.seed = weights, density, seed
         self.base = {name: p.detach().to("cpu", copy=True) for name, p in weights.params.items()}
+        self.models = [{"path": path, "sha256": _hash(named)} for path, named in tuned.items()]
         for path, named in tuned.items():
             missing = [name for name in self.base if name not in named]
             if missing:
@@ -263,7 +270,33 @@ class MergeSpace(SearchSpace):
         self.search.tell(members, rewards.tolist())
         best, best_reward = self.search.best()
         self.weights.write(self.merged(best), member=False)
+        self.last_update = {"coefficients": best.tolist()}
         return {"es/update_norm": self.weights.distance(), "es/merge_best_reward": best_reward}
+
+    def chain_header(self) -> dict:
+        """The merge settings and the merged models: where they were, and the SHA-256 of their weights (replay
+        refuses other ones)."""
+        return {"kind": "merge", "density": self.density, "seed": self.seed, "models": self.models}
+
+    @staticmethod
+    def replayer(header: dict, weights):
+        """θ of a step is the merge of the chain's base (the weights held now) with the recorded coefficients."""
+        from ..loading import load_starting_model
+        from ..sparse import weights_hash
+
+        tuned = {}
+        for entry in header["models"]:
+            named = dict(load_starting_model(entry["path"]).named_parameters())
+            if weights_hash(named) != entry["sha256"]:
+                raise ValueError(f"merge model {entry['path']!r} is not the one the run merged (its weights differ)")
+            tuned[entry["path"]] = named
+        space = MergeSpace(weights, tuned, header["density"], seed=header["seed"])
+
+        def replay(update: dict) -> None:
+            coefficients = torch.tensor(update["coefficients"], dtype=torch.float64)
+            weights.write(space.merged(coefficients), member=False)
+
+        return replay
 
     def save_state(self, folder: str) -> None:
         with open(os.path.join(folder, self.STATE_FILE), "w", encoding="utf-8") as file:

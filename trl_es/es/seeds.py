@@ -48,6 +48,11 @@ def lowrank_seed(member: int, name: str) -> int:
     return derive_seed("es-lowrank", member, name)
 
 
+def adapter_init_seed(seed: int) -> int:
+    """The torch seed of a new PEFT adapter's initial weights (`peft_config`), so a seed chain can rebuild them."""
+    return derive_seed("es-adapter-init", seed)
+
+
 def partition_seed(seed: int) -> int:
     """The seed of CoPES's random partition of the parameters."""
     return derive_seed("copes", seed)

@@ -60,7 +60,19 @@ class SearchSpace:
 
     def tell(self, members: list, rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float) -> dict:
         """Move θ with the members' shaped `fitness` (and raw `rewards`, NaN for none); the step's metrics, with
-        `es/update_norm` = ‖Δθ‖₂."""
+        `es/update_norm` = ‖Δθ‖₂. Sets `last_update`: what `replay` needs to apply the same update again."""
+        raise NotImplementedError
+
+    def chain_header(self) -> dict:
+        """What replaying this space's updates needs beyond the base weights and the noise table (a seed chain's
+        header, `trl_es.chains`), JSON-able."""
+        raise NotImplementedError
+
+    @staticmethod
+    def replayer(header: dict, weights):
+        """A function applying a recorded update (a `last_update`) to `weights` (a `LocalWeights` holding the
+        chain's base, θ of each step captured before its update) bitwise as `tell` did; `header` is
+        `chain_header()`'s. Made once per replay, before the first step."""
         raise NotImplementedError
 
     def save_state(self, folder: str) -> None:

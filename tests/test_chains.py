@@ -1,0 +1,235 @@
+"""Seed chains: every ES run writes es_chain.json, and replaying it on the starting model gives the trained weights
+bitwise (fp32 and bf16; full ES, patterns, CoPES, low-rank, a trained adapter, a new adapter, Hyper-ES; resumed);
+`--steps K` gives checkpoint-K; bad input is refused before anything is written."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import es_config
+from datasets import Dataset
+
+from trl_es import ESTrainer, load_chain
+from trl_es.chains import replay
+from trl_es.cli import main as cli
+
+
+PROMPTS = Dataset.from_dict({"prompt": [f"Count to {n}:" for n in range(1, 9)]})
+
+
+def reward(completions, **kwargs):
+    return [len(c) / 10 + ("1" in c) for c in completions]
+
+
+def train(folder, model, peft_config=None, **overrides):
+    """3 ES steps, then save_model to folder/saved (weights + es_chain.json); the trainer."""
+    args = es_config(folder, max_steps=3, **overrides)
+    trainer = ESTrainer(model, reward, args=args, train_dataset=PROMPTS, peft_config=peft_config)
+    trainer.train()
+    trainer.save_model(str(folder / "saved"))
+    return trainer
+
+
+def load(path, like):
+    """The model saved at `path` (a model or adapter directory), in the dtype of `like`."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    dtype = next(like.parameters()).dtype
+    if hasattr(like, "peft_config"):
+        base = AutoModelForCausalLM.from_pretrained(like.peft_config["default"].base_model_name_or_path, dtype=dtype)
+        return PeftModel.from_pretrained(base, str(path), is_trainable=True)
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+
+
+def same_weights(a, b) -> bool:
+    a, b = dict(a.named_parameters()), dict(b.named_parameters())
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def lora_adapter_dir(folder, base_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), LoraConfig(r=2, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+SETTINGS = {
+    "full": {},
+    "bf16": {"model_init_kwargs": {"dtype": "bfloat16"}},
+    "patterns": {"es_parameter_patterns": [r"layers\.1\.", "norm"], "antithetic": True},
+    "copes": {"es_search_space": "copes", "copes_groups": 2, "weight_decay": 0.05},
+    "lowrank": {"es_search_space": "lowrank", "lowrank_rank": 2},
+}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_replay_rebuilds_the_trained_weights_bitwise(tmp_path, tiny_model_dir, setting):
+    trainer = train(tmp_path, tiny_model_dir, **SETTINGS[setting])
+    chain = load_chain(str(tmp_path / "saved"))
+    assert [entry["step"] for entry in chain.steps] == [0, 1, 2]
+    assert any(entry["update"] is not None for entry in chain.steps)  # (a step without spread records None)
+    replay(chain, tiny_model_dir, str(tmp_path / "rebuilt"))
+    rebuilt = load(tmp_path / "rebuilt", trainer.model)
+    assert same_weights(rebuilt, trainer.model)
+    assert not same_weights(load(tiny_model_dir, trainer.model), trainer.model)  # and training did move it
+
+
+def test_replay_of_adapters_trained_alone_and_new(tmp_path, tiny_model_dir):
+    from peft import LoraConfig
+
+    adapter = lora_adapter_dir(tmp_path / "adapter", tiny_model_dir)
+    alone = train(tmp_path / "alone", adapter, es_adapter_only=True, sigma=0.05, learning_rate=0.05)
+    replay(load_chain(str(tmp_path / "alone" / "saved")), adapter, str(tmp_path / "alone-rebuilt"))
+    assert same_weights(load(tmp_path / "alone-rebuilt", alone.model), alone.model)
+    new = train(tmp_path / "new", tiny_model_dir, peft_config=LoraConfig(r=2, target_modules=["q_proj"]), sigma=0.05)
+    replay(load_chain(str(tmp_path / "new" / "saved")), tiny_model_dir, str(tmp_path / "new-rebuilt"))
+    assert same_weights(load(tmp_path / "new-rebuilt", new.model), new.model)
+
+
+def test_steps_k_is_checkpoint_k_and_a_resumed_run_continues_its_chain(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    full = train(tmp_path / "full", tiny_model_dir, save_strategy="steps", save_steps=1)
+    checkpoint = tmp_path / "full" / "out" / "checkpoint-2"
+    assert len(load_chain(str(checkpoint)).steps) == 2
+    replay(load_chain(str(tmp_path / "full" / "saved")), tiny_model_dir, str(tmp_path / "two"), steps=2)
+    assert same_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "two"),
+                        AutoModelForCausalLM.from_pretrained(checkpoint))  # fmt: skip
+    args = es_config(tmp_path / "full", max_steps=3)
+    resumed = ESTrainer(tiny_model_dir, reward, args=args, train_dataset=PROMPTS)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.chain.steps == full.chain.steps  # the checkpoint's chain, continued
+    assert same_weights(resumed.model, full.model)
+
+
+def test_hyper_es_chain_replays_with_the_merged_models_and_refuses_others(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    tuned = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for p in tuned.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)), alpha=0.05)
+    tuned.save_pretrained(tmp_path / "tuned")
+    trainer = train(tmp_path, tiny_model_dir, es_search_space="merge", merge_models=[str(tmp_path / "tuned")],
+                    population_size=4, generation_kwargs={"do_sample": False})  # fmt: skip
+    chain = load_chain(str(tmp_path / "saved"))
+    replay(chain, tiny_model_dir, str(tmp_path / "rebuilt"))
+    assert same_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "rebuilt"), trainer.model)
+    with torch.no_grad():
+        tuned.model.norm.weight.add_(1.0)
+    tuned.save_pretrained(tmp_path / "tuned")  # the merge model is not the one the run merged any more
+    with pytest.raises(ValueError, match="not the one the run merged"):
+        replay(chain, tiny_model_dir, str(tmp_path / "other"))
+    assert not (tmp_path / "other").exists()
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory, tiny_model_dir):
+    folder = tmp_path_factory.mktemp("chain-run")
+    train(folder, tiny_model_dir)
+    return folder / "saved"
+
+
+def edited(tmp_path, saved_run, edit):
+    data = json.loads((saved_run / "es_chain.json").read_text())
+    path = tmp_path / "es_chain.json"
+    path.write_text(edit(data) if callable(edit) else edit)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: json.dumps(d)[:-40], "not a readable seed chain"),
+        (lambda d: json.dumps({**d, "steps": d["steps"][:1]}), "checksum"),
+        (lambda d: json.dumps({**d, "steps": [{**d["steps"][0], "update": None}, *d["steps"][1:]]}), "checksum"),
+        (lambda d: json.dumps({**d, "format": "trl-es-chain/99"}), "trl-es-chain/99"),
+        ("[1, 2]", "format"),
+    ],
+    ids=["truncated", "steps-removed", "step-edited", "future-format", "not-a-chain"],
+)
+def test_a_bad_chain_is_one_clear_error_and_nothing_is_written(tmp_path, saved_run, tiny_model_dir, edit, message):
+    path = edited(tmp_path, saved_run, edit)
+    with pytest.raises(ValueError, match=message):
+        replay(load_chain(path), tiny_model_dir, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unknown_search_space_and_another_base_are_refused(tmp_path, saved_run, tiny_model_dir):
+    from trl_es.chains import _checksum
+
+    def unknown_space(data):
+        data["header"]["space"]["kind"] = "diffusion"
+        content = {key: data[key] for key in ("format", "header", "steps")}
+        return json.dumps({**content, "checksum": _checksum(content)})
+
+    with pytest.raises(ValueError, match="cannot replay a chain of search space 'diffusion'"):
+        load_chain(edited(tmp_path, saved_run, unknown_space))
+    other = tmp_path / "other-base"
+    shutil.copytree(tiny_model_dir, other)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(other)
+    with torch.no_grad():
+        model.model.norm.weight.add_(1.0)
+    model.save_pretrained(other)
+    chain = load_chain(str(saved_run))
+    with pytest.raises(ValueError, match="base weights differ"):
+        replay(chain, str(other), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    with pytest.warns(UserWarning, match="replaying anyway"):
+        replay(chain, str(other), str(tmp_path / "forced"), force=True)
+
+
+def test_replay_command(tmp_path, saved_run, tiny_model_dir, capsys):
+    assert cli(["replay", "--chain", str(saved_run), "--base", tiny_model_dir, "--out", str(tmp_path / "a")]) == 0
+    assert (tmp_path / "a" / "model.safetensors").is_file() and (tmp_path / "a" / "tokenizer.json").is_file()
+    capsys.readouterr()
+    assert cli(["replay", "--chain", str(saved_run), "--base", tiny_model_dir, "--out", str(tmp_path / "a")]) == 1
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_chain_only_push_and_replay_from_a_hub_id(tmp_path, tiny_model_dir, monkeypatch):
+    """The Hub is the one outside boundary: HfApi and hf_hub_download are replaced by stand-ins that keep the files
+    locally; what trl-es uploads and reads back is real."""
+    import huggingface_hub
+
+    uploaded = {}
+
+    class Repo:
+        repo_id = "me/tiny-es-chain"
+
+    class StandInApi:
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo, private=None, exist_ok=False):
+            return Repo()
+
+        def upload_folder(self, repo_id, folder_path, commit_message, revision=None):
+            uploaded.update({p.name: p.read_bytes() for p in __import__("pathlib").Path(folder_path).iterdir()})
+
+    trainer = train(tmp_path, tiny_model_dir)
+    monkeypatch.setattr(huggingface_hub, "HfApi", StandInApi)
+    trainer.push_to_hub(chain_only=True)
+    assert set(uploaded) == {"es_chain.json", "README.md"}
+    card = uploaded["README.md"].decode()
+    assert "trl-es replay --base" in card and "--chain me/tiny-es-chain" in card and "SHA-256" in card
+    assert len(uploaded["es_chain.json"]) < 16 * 1024  # 3 steps × 4 members: kilobytes
+
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    (hub / "es_chain.json").write_bytes(uploaded["es_chain.json"])
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda repo_id, filename: str(hub / filename))
+    replay(load_chain("me/tiny-es-chain"), tiny_model_dir, str(tmp_path / "from-hub"))
+    from transformers import AutoModelForCausalLM
+
+    assert same_weights(AutoModelForCausalLM.from_pretrained(tmp_path / "from-hub"), trainer.model)
