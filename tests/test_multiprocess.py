@@ -151,6 +151,11 @@ def test_two_processes_give_the_one_process_weights_and_logged_rewards(tmp_path,
     # the model is saved once, by the main process, and equals the weights of every rank
     saved = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert_equal_weights(dict(saved.named_parameters()), expected)
+    # its seed chain, written by the 2-process run, replays to the same weights
+    from trl_es import load_chain
+
+    replayed = load_chain(str(tmp_path)).apply(AutoModelForCausalLM.from_pretrained(model_dir))
+    assert_equal_weights(dict(replayed.named_parameters()), expected)
 
 
 def write_recipe(folder: Path, model_dir: str) -> None:
