@@ -82,6 +82,7 @@ def test_replay_rebuilds_the_trained_weights_bitwise(tmp_path, tiny_model_dir, s
     assert not same_weights(load(tiny_model_dir, trainer.model), trainer.model)  # and training did move it
 
 
+@pytest.mark.slow  # two adapter runs; the fast tests cover every other parameter selection
 def test_replay_of_adapters_trained_alone_and_new(tmp_path, tiny_model_dir):
     from peft import LoraConfig
 
@@ -110,6 +111,7 @@ def test_steps_k_is_checkpoint_k_and_a_resumed_run_continues_its_chain(tmp_path,
     assert same_weights(resumed.model, full.model)
 
 
+@pytest.mark.slow  # a CMA-ES run and two replays
 def test_hyper_es_chain_replays_with_the_merged_models_and_refuses_others(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 

@@ -130,7 +130,9 @@ def test_init_minimal(models):
     assert trainer.args.output_dir == "qwen2-ES"
 
 
-@pytest.mark.parametrize("model", ["qwen2", "qwen3", "llama"])
+@pytest.mark.parametrize(
+    "model", ["qwen2", pytest.param("qwen3", marks=pytest.mark.slow), pytest.param("llama", marks=pytest.mark.slow)]
+)
 def test_train(models, tmp_path, model):
     trainer = ESTrainer(models[model], reward_funcs=models["qwen2_rm"], args=std(tmp_path), train_dataset=zen())
     train_and_check(trainer)
@@ -163,6 +165,7 @@ def test_iterable_dataset_forces_num_workers_zero(models, tmp_path):
     assert trainer.args.dataloader_num_workers == 0
 
 
+@pytest.mark.slow  # spawns dataloader worker processes
 def test_train_multiple_dataloader_workers(models, tmp_path):
     trainer = ESTrainer(models["qwen2"], reward_len, args=std(tmp_path, dataloader_num_workers=2),
                         train_dataset=zen())  # fmt: skip
@@ -175,7 +178,9 @@ def test_dataset_required(models, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "extra", [{}, {"num_generations_eval": 1}, {"eval_on_start": True}], ids=["eval", "num_generations_eval", "start"]
+    "extra",
+    [{}, pytest.param({"num_generations_eval": 1}, marks=pytest.mark.slow), {"eval_on_start": True}],
+    ids=["eval", "num_generations_eval", "start"],
 )
 def test_train_with_eval(models, tmp_path, extra):
     args = std(tmp_path, per_device_eval_batch_size=3, eval_strategy="steps", eval_steps=2, max_steps=2, **extra)
