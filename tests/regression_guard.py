@@ -40,6 +40,7 @@ SCENARIOS = {
     "lowrank": {"es_search_space": "lowrank", "lowrank_rank": 2, "population_size": 6},
     "merge": {"es_search_space": "merge", "population_size": 5},
     "resume": {},
+    "full_adamw": {"es_optimizer": True, "optim": "adamw_torch", "learning_rate": 3e-3, "weight_decay": 0.01},
 }
 VLLM_SCENARIOS = ("full", "copes")
 

@@ -26,7 +26,7 @@ AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 PARAMETER_GROUPS = {
     "Parameters that control the ES step": (
-        "population_size", "sigma", "learning_rate", "antithetic", "fitness_shaping", "es_baseline",
+        "population_size", "sigma", "learning_rate", "es_optimizer", "antithetic", "fitness_shaping", "es_baseline",
         "common_generation_seed", "noise_table_size",
     ),
     "Parameters that control what a member perturbs (the search space)": (
@@ -99,6 +99,16 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
     learning_rate: float = field(
         default=5e-4,
         metadata={"help": "Step size α of the ES update θ ← θ + α·(1/N)·Σ z_i ε_i (α absorbs the 1/σ)."},
+    )
+    es_optimizer: bool = field(
+        default=False,
+        metadata={
+            "help": "Hand the ES gradient estimate ĝ = 1/(N·σ)·Σ z_i ε_i to Trainer's optimizer as the gradient of −R "
+            "(as Salimans et al. 2017 use Adam), so `optim`, `learning_rate` (then the optimizer's), "
+            "`lr_scheduler_type`, warmup, `weight_decay`, `adam_beta1/2` and `optim_args` work as in TRL. The optimizer "
+            "state (AdamW: two copies of θ) is saved in checkpoints. Default False: the plain update θ ← θ + "
+            "α·(1/N)·Σ z_i ε_i, no optimizer state."
+        },
     )
     antithetic: bool = field(
         default=False,
@@ -425,7 +435,8 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             refuse("weight_decay", "must be ≥ 0")
         if self.multi_objective_aggregation not in AGGREGATIONS:
             refuse("multi_objective_aggregation", f"choose one of {AGGREGATIONS}")
-        if self.es_search_space != "merge" and 0 < self.learning_rate < 0.01 * self.sigma:
+        plain_update = self.es_search_space != "merge" and not self.es_optimizer
+        if plain_update and 0 < self.learning_rate < 0.01 * self.sigma:
             warnings.warn(
                 f"ESConfig.learning_rate={self.learning_rate} looks like a gradient learning rate: in ES it is the step "
                 f"size α of θ ← θ + α·(1/N)·Σ z_i ε_i, {self.sigma / self.learning_rate:.0f}× smaller than "
@@ -451,8 +462,11 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
                 refuse("lowrank_rank", "the rank must be ≥ 1")
             if self.lowrank_members_per_call is not None and self.lowrank_members_per_call < 1:
                 refuse("lowrank_members_per_call", "each call needs at least one member")
-            if self.weight_decay:
-                refuse("weight_decay", "low-rank ES updates only along the members' low-rank directions")
+            if self.weight_decay and not self.es_optimizer:
+                refuse("weight_decay", "the plain low-rank update moves θ only along the members' low-rank directions "
+                       "(with es_optimizer the optimizer applies weight_decay)")  # fmt: skip
+        if self.es_optimizer and space == "merge":
+            refuse("es_optimizer", "Hyper-ES moves θ by CMA-ES, not by a gradient estimate")
         if space == "merge":
             if not self.merge_models:
                 refuse("merge_models", "Hyper-ES merges task vectors: give at least one fine-tuned model")
@@ -479,6 +493,9 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             )
         if self.log_completion_entropy:
             refuse("log_completion_entropy", "vLLM does not return the full next-token distribution")
+        if self.es_optimizer:
+            refuse("es_optimizer", "vLLM rebuilds each update from seeds, and an optimizer's update is not one: "
+                   "use_vllm=False with es_optimizer")  # fmt: skip
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             refuse("vllm_gpu_memory_utilization", "a share of GPU memory in (0, 1]")
 
@@ -521,10 +538,10 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         if self.gradient_checkpointing:
             warnings.warn("ESConfig.gradient_checkpointing is ignored: ES runs no backward pass.", stacklevel=3)
             self.gradient_checkpointing = False
-        if str(self.optim) not in ("adamw_torch", "adamw_torch_fused"):
+        if not self.es_optimizer and str(self.optim) not in ("adamw_torch", "adamw_torch_fused"):
             warnings.warn(
-                f"ESConfig.optim={self.optim!r} is ignored: ES keeps no optimizer state; the update is the ES "
-                "estimate scaled by learning_rate.",
+                f"ESConfig.optim={self.optim!r} is ignored without es_optimizer=True: the plain ES update keeps no "
+                "optimizer state.",
                 stacklevel=3,
             )
 

@@ -28,6 +28,7 @@ from . import sparse
 from .atomic import atomic_directory, publish_directory
 from .chains import FILE as CHAIN_FILE
 from .chains import Chain, load_chain
+from .es.space import optimizer_header
 
 
 STAGING = ".staging"
@@ -131,6 +132,7 @@ class SavingMixin:
     def start_chain(self) -> None:
         """A new seed chain from the weights held now (at the first step of a run that did not resume one)."""
         args, named = self.args, dict(self.model.named_parameters())
+        optimizer = {"optimizer": optimizer_header(self.optimizer, self.es_params)} if args.es_optimizer else {}
         peft_config = getattr(self.model, "peft_config", {}).get("default") if self._new_adapter else None
         base = {
             "model": self._model_source,
@@ -144,7 +146,7 @@ class SavingMixin:
             "dtype": str(next(iter(self.es_params.values())).dtype).removeprefix("torch."),
             "parameters": list(self.es_params),
             "noise": {"seed": args.seed, "table_size": args.noise_table_size},
-            "space": self.space.chain_header(),
+            "space": {**self.space.chain_header(), **optimizer},
             "settings": {name: getattr(args, name) for name in CHAIN_SETTINGS},
         })  # fmt: skip
 

@@ -156,6 +156,8 @@ class ESTrainer(ReportingMixin, SavingMixin, _BaseTrainer):
     def _make_search_space(self) -> SearchSpace:
         """The search space `es_search_space` names (`trl_es.es.space`), built from ESConfig."""
         kind, space = self.args.es_search_space, FullSpace
+        if self.args.es_optimizer and self.distribution.zero_stage == 3:
+            raise ValueError("es_optimizer with ZeRO-3: the optimizer would step on partitioned θ; use ZeRO-2 or none")
         if kind == "lowrank":
             space = LowRankSpace
         if kind == "merge":
@@ -182,8 +184,12 @@ class ESTrainer(ReportingMixin, SavingMixin, _BaseTrainer):
             self._signature_columns = ["prompt"]
 
     def create_optimizer(self, model=None):
-        """A placeholder: ES keeps no optimizer state. This SGD over one scalar that never receives a gradient
-        (so `step()` does nothing) lets Trainer's scheduler drive α_t, saved and resumed with checkpoints."""
+        """With `es_optimizer`, Trainer's optimizer (`optim`, …), which Trainer steps after each ES step on the
+        gradient estimate the search space wrote. Otherwise a placeholder: the plain update keeps no optimizer
+        state; this SGD over one scalar that never receives a gradient (so `step()` does nothing) lets Trainer's
+        scheduler drive α_t, saved and resumed with checkpoints."""
+        if self.args.es_optimizer:
+            return super().create_optimizer(model)
         if self.optimizer is None:
             self._lr_holder = torch.nn.Parameter(torch.zeros((), device=self.args.device))
             self.optimizer = torch.optim.SGD([self._lr_holder], lr=self.args.learning_rate)
@@ -292,7 +298,10 @@ class ESTrainer(ReportingMixin, SavingMixin, _BaseTrainer):
                     )
                 else:
                     outcome = {**self.space.tell(members, rewards, fitness, learning_rate), "es/skipped_update": 0.0}
-                self.chain.record(step, None if fitness is None else self.space.last_update)
+                record = None if fitness is None else self.space.last_update
+                if record is not None and args.es_optimizer:  # Trainer's optimizer steps next, at these rates
+                    record = {**record, "learning_rates": [group["lr"] for group in self.optimizer.param_groups]}
+                self.chain.record(step, record)
                 times["update"] = time.perf_counter() - timer
             except BaseException:
                 self.weights.restore()

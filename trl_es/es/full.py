@@ -1,6 +1,8 @@
 """Full ES: member i evaluates θ + σ·ε_i over every selected parameter; with groups, cooperative subspaces (CoPES).
 
-Update (Qiu et al. 2025 convention): θ ← θ + α·(1/N)·Σ_i z_i ε_i − α·λ·θ, over the members with a reward.
+Update (Qiu et al. 2025 convention): θ ← θ + α·(1/N)·Σ_i z_i ε_i − α·λ·θ, over the members with a reward. With
+`gradient=True` the space writes instead the ES gradient estimate ĝ = 1/(N·σ)·Σ_i z_i ε_i into the parameters'
+`.grad` (as −ĝ, the gradient of −R) for an optimizer to apply (`ESConfig.es_optimizer`).
 CoPES (`groups`, see `subspaces`): member i perturbs only group g(i) = i mod K (antithetic pairs: pair mod K), with
 σ·√K so that the population's total noise per step matches full ES, and group g is updated from its own members:
 θ_g ← θ_g + α·(1/N_g)·Σ_{i: g(i)=g} z_i ε_i,g.
@@ -12,7 +14,7 @@ import contextlib
 
 import torch
 
-from .space import Direction, SearchSpace, directions
+from .space import Direction, SearchSpace, directions, rebuild_optimizer, step_optimizer
 from .subspaces import member_groups, partition_parameters
 from .update import update_coefficients
 
@@ -29,9 +31,11 @@ class FullSpace(SearchSpace):
         antithetic: bool = False,
         weight_decay: float = 0.0,
         groups: list[list[str]] | None = None,
+        gradient: bool = False,
     ):
         self.weights, self.seed, self.population_size = weights, seed, population_size
         self.sigma, self.antithetic, self.weight_decay, self.groups = sigma, antithetic, weight_decay, groups
+        self.gradient = gradient
 
     @classmethod
     def from_config(cls, args, model, weights) -> FullSpace:
@@ -40,7 +44,8 @@ class FullSpace(SearchSpace):
         if args.es_search_space == "copes":
             groups = partition_parameters(list(weights.params), args.copes_groups, args.copes_partition, args.seed)
         common = (args.seed, args.population_size, args.sigma, args.antithetic)
-        return cls(weights, *common, weight_decay=args.weight_decay, groups=groups)
+        decay = 0.0 if args.es_optimizer else args.weight_decay  # the optimizer decays the weights itself
+        return cls(weights, *common, weight_decay=decay, groups=groups, gradient=args.es_optimizer)
 
     def ask(self, step: int) -> list[Direction]:
         members = directions(self.seed, step, self.population_size, self.antithetic)
@@ -64,29 +69,39 @@ class FullSpace(SearchSpace):
     def tell(self, members: list[Direction], rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float):
         decay, valid = learning_rate * self.weight_decay, ~torch.isnan(rewards)
         pairs = [(m.seed, m.sign) for m in members]
-        if self.groups is None:
-            coefficients = update_coefficients(fitness, pairs, learning_rate, int(valid.sum()))
-            self.last_update = {"updates": [_record(None, coefficients, decay)]}
-            return {"es/update_norm": self.weights.update(coefficients, decay)}
+        parts = [(None, None, list(range(len(members))))] if self.groups is None else [
+            (g, names, [i for i, m in enumerate(members) if m.group == g]) for g, names in enumerate(self.groups)
+        ]  # fmt: skip
+        sigma = self.sigma if self.groups is None else self.sigma * len(self.groups) ** 0.5  # the members' scale
         squared, self.last_update = 0.0, {"updates": []}
-        for g, names in enumerate(self.groups):
-            own = [i for i, m in enumerate(members) if m.group == g]
-            n_valid = max(int(valid[own].sum()), 1)
-            coefficients = update_coefficients(fitness[own], [pairs[i] for i in own], learning_rate, n_valid)
+        for g, names, own in parts:
+            n_valid = max(int(valid[own].sum()), 1) if g is not None else int(valid.sum())
+            scale = 1 / sigma if self.gradient else learning_rate  # ĝ's 1/(Nσ), or the plain update's α/N
+            coefficients = update_coefficients(fitness[own], [pairs[i] for i in own], scale, n_valid)
             self.last_update["updates"].append(_record(g, coefficients, decay))
-            squared += self.weights.update(coefficients, decay, names) ** 2
-        return {"es/update_norm": squared**0.5}
+            if self.gradient:
+                squared += self.weights.gradient(coefficients, names) ** 2
+            else:
+                squared += self.weights.update(coefficients, decay, names) ** 2
+        return {"es/gradient_norm" if self.gradient else "es/update_norm": squared**0.5}
 
     def chain_header(self) -> dict:
         return {"kind": "full", "groups": self.groups}
 
     @staticmethod
     def replayer(header: dict, weights):
+        optimizer = rebuild_optimizer(header["optimizer"], weights.params) if header.get("optimizer") else None
+
         def replay(update: dict) -> None:
             for part in update["updates"]:
                 names = None if part["group"] is None else header["groups"][part["group"]]
                 coefficients = {int(seed): float(c) for seed, c in part["coefficients"]}
-                weights.update(coefficients, part["decay"], names)
+                if optimizer is None:
+                    weights.update(coefficients, part["decay"], names)
+                else:
+                    weights.gradient(coefficients, names)
+            if optimizer is not None:
+                step_optimizer(optimizer, update["learning_rates"])
 
         return replay
 

@@ -21,7 +21,7 @@ import math
 import torch
 
 from .seeds import lowrank_seed
-from .space import Direction, SearchSpace, directions
+from .space import Direction, SearchSpace, directions, rebuild_optimizer, step_optimizer
 from .update import not_finite, update_coefficients
 
 
@@ -152,23 +152,39 @@ def lowrank_update(
     return apply_lowrank_update(weights, update_coefficients(fitness, directions, learning_rate, n_members), rank)
 
 
+def lowrank_delta(name: str, weight: torch.Tensor, coefficients: dict[int, float], rank: int) -> torch.Tensor:
+    """Σ_s c_s·A_s·B_sᵀ/√r for weight `name`, in float32: one matmul [c_1·A_1 … c_S·A_S]·[B_1 … B_S]ᵀ/√r."""
+    factors = [lowrank_factors(seed, name, weight.shape, rank, device=weight.device) for seed in coefficients]
+    a = torch.cat([a * (c / math.sqrt(rank)) for (a, _), c in zip(factors, coefficients.values(), strict=True)], dim=1)
+    return a @ torch.cat([b for _, b in factors], dim=1).T
+
+
 @torch.no_grad()
 def apply_lowrank_update(weights: dict[str, torch.Tensor], coefficients: dict[int, float], rank: int = 1) -> float:
-    """W ← W + Σ_s c_s·A_s·B_sᵀ/√r for each weight, in place (the coefficients already hold α/N·Σ z·sign): one
-    float32 matmul per matrix, added in float32 and cast to the weight dtype once. Returns ‖Δθ‖₂."""
+    """W ← W + Σ_s c_s·A_s·B_sᵀ/√r for each weight, in place (the coefficients already hold α/N·Σ z·sign), added in
+    float32 and cast to the weight dtype once. Returns ‖Δθ‖₂."""
     squared_norm = 0.0
     for name, weight in weights.items():
-        factors = [lowrank_factors(seed, name, weight.shape, rank, device=weight.device) for seed in coefficients]
-        a = torch.cat(
-            [a * (c / math.sqrt(rank)) for (a, _), c in zip(factors, coefficients.values(), strict=True)], dim=1
-        )
-        b = torch.cat([b for _, b in factors], dim=1)
-        delta = a @ b.T
+        delta = lowrank_delta(name, weight, coefficients, rank)
         squared_norm += float(delta.square().sum())
         updated = (weight.float() + delta).to(weight.dtype)
         if not torch.isfinite(updated).all():
             raise not_finite(name, weight.dtype, coefficients)
         weight.copy_(updated)
+    return squared_norm**0.5
+
+
+@torch.no_grad()
+def write_lowrank_gradient(weights: dict[str, torch.nn.Parameter], coefficients: dict[int, float], rank: int = 1):
+    """W.grad ← −Σ_s c_s·A_s·B_sᵀ/√r for each weight (c_s = sign·z/(N·σ): minus the ES gradient estimate), for an
+    optimizer; returns ‖ĝ‖₂."""
+    squared_norm = 0.0
+    for name, weight in weights.items():
+        estimate = lowrank_delta(name, weight, coefficients, rank)
+        squared_norm += float(estimate.square().sum())
+        if not torch.isfinite(estimate).all():
+            raise not_finite(name, weight.dtype, coefficients)
+        weight.grad = (-estimate).to(weight.dtype)
     return squared_norm**0.5
 
 
@@ -194,12 +210,15 @@ class LowRankSpace(SearchSpace):
             )
         self.targets, self.seed, self.population_size, self.sigma = targets, seed, population_size, sigma
         self.rank, self.antithetic, self.per_call = rank, antithetic, members_per_call
+        self.gradient = False  # True: write −ĝ into the weights' .grad for an optimizer (ESConfig.es_optimizer)
 
     @classmethod
     def from_config(cls, args, model, weights) -> LowRankSpace:
         """From ESConfig: the model's `nn.Linear` weights among those ES selects, rank `lowrank_rank`."""
         common = (args.seed, args.population_size, args.sigma, args.lowrank_rank, args.antithetic)
-        return cls(lowrank_targets(model, weights.params), *common, args.lowrank_members_per_call)
+        space = cls(lowrank_targets(model, weights.params), *common, args.lowrank_members_per_call)
+        space.gradient = args.es_optimizer
+        return space
 
     def ask(self, step: int) -> list[Direction]:
         return directions(self.seed, step, self.population_size, self.antithetic)
@@ -218,10 +237,13 @@ class LowRankSpace(SearchSpace):
         return LowRankPopulation(self.targets, seeds, signs, self.sigma, self.rank, row_members)
 
     def tell(self, members: list[Direction], rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float):
-        weights = {name: module.weight.data for name, module in self.targets.items()}
         pairs, n_valid = [(m.seed, m.sign) for m in members], int((~torch.isnan(rewards)).sum())
-        coefficients = update_coefficients(fitness, pairs, learning_rate, n_valid)
+        coefficients = update_coefficients(fitness, pairs, 1 / self.sigma if self.gradient else learning_rate, n_valid)
         self.last_update = {"coefficients": [[seed, c] for seed, c in coefficients.items()]}
+        if self.gradient:
+            weights = {name: module.weight for name, module in self.targets.items()}
+            return {"es/gradient_norm": write_lowrank_gradient(weights, coefficients, self.rank)}
+        weights = {name: module.weight.data for name, module in self.targets.items()}
         return {"es/update_norm": apply_lowrank_update(weights, coefficients, self.rank)}
 
     def chain_header(self) -> dict:
@@ -229,10 +251,16 @@ class LowRankSpace(SearchSpace):
 
     @staticmethod
     def replayer(header: dict, weights):
-        targets = {name: weights.params[name].data for name in header["targets"]}
+        optimizer = rebuild_optimizer(header["optimizer"], weights.params) if header.get("optimizer") else None
 
         def replay(update: dict) -> None:
             coefficients = {int(seed): float(c) for seed, c in update["coefficients"]}
-            apply_lowrank_update(targets, coefficients, header["rank"])
+            if optimizer is None:
+                targets = {name: weights.params[name].data for name in header["targets"]}
+                apply_lowrank_update(targets, coefficients, header["rank"])
+                return
+            write_lowrank_gradient({name: weights.params[name] for name in header["targets"]}, coefficients,
+                                   header["rank"])  # fmt: skip
+            step_optimizer(optimizer, update["learning_rates"])
 
         return replay

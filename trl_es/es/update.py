@@ -43,6 +43,19 @@ def not_finite(name: str, dtype: torch.dtype, coefficients: dict[int, float]) ->
     )
 
 
+def noise_sums(table: NoiseTable, coefficients: dict[int, float], name: str, numel: int, device):
+    """Yield `(a, b, Σ_s c_s ε(s)[a:b])` over parameter `name`'s flat elements, one noise window at a time, each sum
+    accumulated in float32 in one reused buffer (valid until the next window)."""
+    seeds, coeffs = list(coefficients), list(coefficients.values())
+    windows = [list(member_noise(table, seed, name, numel)) for seed in seeds]
+    buffer = torch.empty(CHUNK, dtype=torch.float32, device=device)
+    for k, (a, b, _) in enumerate(windows[0]):
+        total = buffer[: b - a].zero_()
+        for coeff, member_windows in zip(coeffs, windows, strict=True):
+            total.add_(member_windows[k][2], alpha=coeff)
+        yield a, b, total
+
+
 @torch.no_grad()
 def apply_update(
     snapshot: ParameterSnapshot,
@@ -60,20 +73,11 @@ def apply_update(
     coefficient or a written value is not finite.
     """
     check_coefficients(coefficients)
-    seeds, coeffs = list(coefficients), list(coefficients.values())
     squared_norm = 0.0
-    buffers: dict[torch.device, torch.Tensor] = {}
     for name in snapshot.params if names is None else names:
         p = snapshot.params[name]
         flat, base = p.data.view(-1), snapshot.copies[name].view(-1)
-        windows = [list(member_noise(table, seed, name, flat.numel())) for seed in seeds]
-        if flat.device not in buffers:
-            buffers[flat.device] = torch.empty(CHUNK, dtype=torch.float32, device=flat.device)
-        buffer = buffers[flat.device]
-        for k, (a, b, _) in enumerate(windows[0]):
-            delta = buffer[: b - a].zero_()
-            for coeff, member_windows in zip(coeffs, windows, strict=True):
-                delta.add_(member_windows[k][2], alpha=coeff)
+        for a, b, delta in noise_sums(table, coefficients, name, flat.numel(), flat.device):
             theta = base[a:b].to(flat.device)
             if decay:
                 delta.add_(theta, alpha=-decay)
@@ -81,4 +85,27 @@ def apply_update(
             torch.add(theta, delta, out=flat[a:b])
             if not torch.isfinite(flat[a:b]).all():
                 raise not_finite(name, flat.dtype, coefficients)
+    return squared_norm**0.5
+
+
+@torch.no_grad()
+def write_gradient(
+    params: dict[str, torch.nn.Parameter], table: NoiseTable, coefficients: dict[int, float], names=None
+) -> float:
+    """p.grad ← −Σ_s c_s ε(s) for the parameters `names` (default all): with c_s = sign·z/(N·σ), the gradient of
+    −R of the ES estimate ĝ = 1/(Nσ)·Σ z_i ε_i, for an optimizer to minimize. Built one noise window at a time in
+    float32 and cast to the parameter's dtype. Returns ‖ĝ‖₂."""
+    check_coefficients(coefficients)
+    squared_norm = 0.0
+    for name in params if names is None else names:
+        p = params[name]
+        grad = torch.empty_like(p, memory_format=torch.contiguous_format)
+        flat = grad.view(-1)
+        for a, b, estimate in noise_sums(table, coefficients, name, flat.numel(), flat.device):
+            squared_norm += float(estimate.dot(estimate))
+            torch.neg(estimate, out=estimate)
+            flat[a:b].copy_(estimate)
+        if not torch.isfinite(grad).all():
+            raise not_finite(name, grad.dtype, coefficients)
+        p.grad = grad
     return squared_norm**0.5

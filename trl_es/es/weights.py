@@ -10,6 +10,7 @@ A backend holds θ (`params`: the trainer's parameters ES moves, by name) and th
   elsewhere; `center()`: they become θ again (after a member, cheaply);
 - `restore()`: everything back to θ bitwise, whatever happened since `capture` (a failed step);
 - `update(coefficients, decay, names)`: θ ← θ + Σ_s c_s ε(s) − decay·θ over `names`; returns ‖Δθ‖₂;
+- `gradient(coefficients, names)` (the trainer's own tensors only): `.grad` ← −Σ_s c_s ε(s), for an optimizer;
 - `fingerprint()`: a hash of the weights' bytes, equal only for bitwise-equal weights.
 """
 
@@ -22,7 +23,7 @@ import torch
 
 from .noise import NoiseTable
 from .params import ParameterSnapshot
-from .update import apply_update
+from .update import apply_update, write_gradient
 
 
 def weights_fingerprint(weights: dict[str, torch.Tensor], names: Iterable[str]) -> str:
@@ -89,14 +90,23 @@ class LocalWeights:
         return written
 
     def restore(self) -> None:
+        """θ back everywhere, and no gradient pending (`gradient`) for an optimizer to apply."""
         self.snapshot.restore()
         self.changed = set()
+        for p in self.params.values():
+            p.grad = None
 
     def update(self, coefficients: dict[int, float], decay: float = 0.0, names: list[str] | None = None) -> float:
         """`apply_update` from the snapshot: the snapshot stays θ until the next `capture`, so a failure can still be
         undone with `restore`."""
         self.center()
         return apply_update(self.snapshot, self.table, coefficients, decay=decay, names=names)
+
+    def gradient(self, coefficients: dict[int, float], names: list[str] | None = None) -> float:
+        """θ back in the tensors, and their `.grad` ← −Σ_s c_s ε(s) over `names` (`write_gradient`), for Trainer's
+        optimizer to step; returns ‖ĝ‖₂."""
+        self.center()
+        return write_gradient(self.params, self.table, coefficients, names)
 
     def distance(self) -> float:
         """‖weights − θ‖₂ (float32), e.g. of a merge written as the new θ."""
