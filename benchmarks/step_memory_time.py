@@ -2,6 +2,9 @@
 
     python benchmarks/step_memory_time.py [--population 8] [--prompts 8] [--generations 2] [--tokens 64]
 
+The ES step is measured with the plain update and with `es_optimizer` under SGD with momentum and AdamW (their
+state: one and two fp32 copies of θ), next to GRPOTrainer's AdamW.
+
 Each measurement runs in its own fresh process (so one cannot inherit another's memory). Peak RSS is sampled every
 5 ms by a thread during the measured step(s) only, model loading excluded; "above base" subtracts the RSS just
 before the step (model loaded). Prints one table; ratios are within this one run.
@@ -72,11 +75,19 @@ def run_generate(options):
     return {"seconds": seconds, "peak": rss.peak, "base": rss.base}
 
 
+OPTIMIZERS = {
+    "plain": {},
+    "sgd-momentum": {"es_optimizer": True, "optim": "sgd", "optim_args": "momentum=0.9", "learning_rate": 1e-4},
+    "adamw": {"es_optimizer": True, "optim": "adamw_torch", "learning_rate": 1e-5},
+}
+
+
 def run_es(options):
     from trl_es import ESConfig, ESTrainer
     from trl_es.models import smollm2_dir
 
     args = ESConfig(
+        **OPTIMIZERS[options.optimizer],
         output_dir="/tmp/bench-es",
         population_size=options.population,
         per_device_train_batch_size=options.prompts,
@@ -149,20 +160,23 @@ def main():
     parser.add_argument("--generations", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--only", choices=["generate", "es", "grpo"])
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="plain", help="with --only es")
     options = parser.parse_args()
     if options.only:
         print(json.dumps(globals()[f"run_{options.only}"](options)))
         return
     results = {}
-    for which in ("generate", "es", "grpo"):
-        command = [sys.executable, __file__, "--only", which] + [
+    runs = {"generate": ("generate", "plain"), "grpo": ("grpo", "plain")}
+    runs |= {f"es-{name}": ("es", name) for name in OPTIMIZERS}
+    for key, (which, optimizer) in runs.items():
+        command = [sys.executable, __file__, "--only", which, f"--optimizer={optimizer}"] + [
             f"--{k}={getattr(options, k)}" for k in ("population", "prompts", "generations", "tokens")
         ]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "TRANSFORMERS_VERBOSITY": "error"}
         run = subprocess.run(command, capture_output=True, text=True, env=env)
         if run.returncode:
             sys.exit(f"{which} failed:\n{run.stderr[-3000:]}")
-        results[which] = json.loads(run.stdout.strip().splitlines()[-1])
+        results[key] = json.loads(run.stdout.strip().splitlines()[-1])
 
     mb = 2**20
     weights_mb = 134_515_008 * 4 / mb
@@ -171,10 +185,16 @@ def main():
         f"completions x {options.tokens} new tokens; ES population {options.population}\n"
     )
     print(f"{'':28s}{'s/step':>10s}{'peak RSS MB':>14s}{'above base MB':>15s}")
-    for name, key in (("plain generate (1 batch)", "generate"), ("ES step", "es"), ("GRPOTrainer step", "grpo")):
+    names = {"generate": "plain generate (1 batch)", "es-plain": "ES step", "es-sgd-momentum": "ES step, SGD momentum",
+             "es-adamw": "ES step, AdamW", "grpo": "GRPOTrainer step (AdamW)"}  # fmt: skip
+    for key, name in names.items():
         r = results[key]
         print(f"{name:28s}{r['seconds']:10.1f}{r['peak'] / mb:14.0f}{(r['peak'] - r['base']) / mb:15.0f}")
-    es, grpo, gen = results["es"], results["grpo"], results["generate"]
+    es, grpo, gen = results["es-plain"], results["grpo"], results["generate"]
+    for name in ("sgd-momentum", "adamw"):
+        extra = (results[f"es-{name}"]["peak"] - es["peak"]) / mb
+        print(f"ES {name} peak / GRPO peak: {results[f'es-{name}']['peak'] / grpo['peak']:.2f} "
+              f"(+{extra:.0f} MB over the plain update; θ in fp32 is {weights_mb:.0f} MB)")  # fmt: skip
     print(f"\nES peak / GRPO peak: {es['peak'] / grpo['peak']:.2f}  (target <= 0.60)")
     budget = gen["peak"] + weights_mb * mb
     print(
