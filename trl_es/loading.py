@@ -83,6 +83,14 @@ def eos_token_ids(model, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return ids if tokenizer.eos_token_id in ids else [tokenizer.eos_token_id, *ids]
 
 
+def check_model_type(model) -> None:
+    """A TypeError unless `model` is what ESTrainer takes: an id or path, a PreTrainedModel or a PeftModel."""
+    if not isinstance(model, (str, PreTrainedModel)) and not _is_peft_model(model):
+        raise TypeError(
+            f"`model` must be a model id, a path, a PreTrainedModel or a PeftModel, got {type(model).__name__}"
+        )
+
+
 def prepare_model(model, args, processing_class=None, peft_config=None):
     """(model, tokenizer, EOS ids) for ESTrainer's `model` argument as GRPOTrainer takes it: an id or path (loaded
     with `args.model_init_kwargs`), a PreTrainedModel or a PeftModel; `peft_config` adds a new adapter. Dropout off,
@@ -93,10 +101,7 @@ def prepare_model(model, args, processing_class=None, peft_config=None):
         model = load_starting_model(model, args.es_adapter_only, **init_kwargs)
     elif args.model_init_kwargs is not None:
         logger.warning("`model_init_kwargs` is ignored: the model is already instantiated.")
-    if not isinstance(model, PreTrainedModel) and not _is_peft_model(model):
-        raise TypeError(
-            f"`model` must be a model id, a path, a PreTrainedModel or a PeftModel, got {type(model).__name__}"
-        )
+    check_model_type(model)
     if peft_config is not None:
         model = add_adapter(model, peft_config, args.seed)
     if _is_peft_model(model) and args.use_vllm:

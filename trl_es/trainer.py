@@ -28,7 +28,7 @@ from .distributed import Distribution
 from .es import FullSpace, SearchSpace, select_parameters, shape_fitness
 from .es.lowrank import LowRankSpace
 from .es.seeds import sampling_seed
-from .loading import check_eval_dataset, check_prompt_dataset, prepare_model
+from .loading import check_eval_dataset, check_model_type, check_prompt_dataset, prepare_model
 from .population import DistanceFromStart, member_rewards, population_metrics, summarize, summary_width
 from .reporting import ReportingMixin
 from .rewards import RewardFunctions
@@ -102,6 +102,7 @@ class ESTrainer(ReportingMixin, SavingMixin, _BaseTrainer):
         callbacks=None,
         peft_config=None,
     ):
+        check_model_type(model)
         if args is None:
             name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = ESConfig(f"{str(name).rstrip('/').split('/')[-1]}-ES")
