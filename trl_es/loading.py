@@ -8,10 +8,10 @@ import os
 import torch
 from datasets import Dataset
 from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.trainer_utils import _is_peft_model
 from transformers.utils import logging
 from trl.trainer.utils import create_model_from_path, disable_dropout_in_model, get_config_model_id
 
+from .compat import import_extra, is_peft_model
 from .es.seeds import adapter_init_seed
 
 
@@ -48,10 +48,8 @@ def load_starting_model(path: str, adapter_only: bool = False, **model_init_kwar
 
 
 def _load_adapter(path: str, adapter_only: bool, model_init_kwargs: dict):
-    try:
-        from peft import PeftConfig, PeftModel
-    except ImportError as error:
-        raise ImportError(f"{path!r} is a PEFT adapter; install peft: pip install 'trl-es[peft]'") from error
+    peft = import_extra("peft", "peft", f"the PEFT adapter {path!r}")
+    PeftConfig, PeftModel = peft.PeftConfig, peft.PeftModel
     base_path = PeftConfig.from_pretrained(path).base_model_name_or_path
     try:
         base = create_model_from_path(base_path, **model_init_kwargs)
@@ -85,7 +83,7 @@ def eos_token_ids(model, tokenizer: PreTrainedTokenizerBase) -> list[int]:
 
 def check_model_type(model) -> None:
     """A TypeError unless `model` is what ESTrainer takes: an id or path, a PreTrainedModel or a PeftModel."""
-    if not isinstance(model, (str, PreTrainedModel)) and not _is_peft_model(model):
+    if not isinstance(model, (str, PreTrainedModel)) and not is_peft_model(model):
         raise TypeError(
             f"`model` must be a model id, a path, a PreTrainedModel or a PeftModel, got {type(model).__name__}"
         )
@@ -104,12 +102,12 @@ def prepare_model(model, args, processing_class=None, peft_config=None):
     check_model_type(model)
     if peft_config is not None:
         model = add_adapter(model, peft_config, args.seed)
-    if _is_peft_model(model) and args.use_vllm:
+    if is_peft_model(model) and args.use_vllm:
         raise ValueError(
             "use_vllm=True loads full models into vLLM, which ES perturbs by HF parameter name: train adapters "
             "(peft_config, es_adapter_only) with use_vllm=False"
         )
-    if _is_peft_model(model) and args.sparse_delta_tau is not None:
+    if is_peft_model(model) and args.sparse_delta_tau is not None:
         raise ValueError(
             "ESConfig.sparse_delta_tau needs a full model: a PEFT adapter is already a compact update (train "
             "without es_adapter_only to get a sparse delta of the merged model)"
@@ -126,15 +124,12 @@ def prepare_model(model, args, processing_class=None, peft_config=None):
 def add_adapter(model, peft_config, seed: int):
     """A new adapter, as in GRPOTrainer: ES then perturbs its weights only. Its initial weights are drawn from a seed
     derived from the run's, so a seed chain can rebuild them."""
-    if _is_peft_model(model):
+    if is_peft_model(model):
         raise ValueError(
             "`peft_config` adds a new adapter, but the model already is a PeftModel (an adapter loaded with "
             "es_adapter_only): pass one or the other"
         )
-    try:
-        from peft import get_peft_model
-    except ImportError as error:
-        raise ImportError("`peft_config` needs peft: pip install 'trl-es[peft]'") from error
+    get_peft_model = import_extra("peft", "peft", "`peft_config`").get_peft_model
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(adapter_init_seed(seed))
         return get_peft_model(model, peft_config)

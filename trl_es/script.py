@@ -19,6 +19,7 @@ import importlib
 import os
 import sys
 
+from .compat import subtract_subsequence
 from .config import ESConfig, unknown_field_error
 from .tasks import TASKS
 
@@ -170,10 +171,9 @@ def run(argv: list[str]) -> None:
         launch_args = launch_arguments(parser, config_remaining + cli_remaining)
         if launch_args and not os.environ.get("TRL_ES_LAUNCHED"):
             from accelerate.commands.launch import launch_command, launch_command_parser
-            from trl.cli.commands.training import _subtract_subsequence
 
             os.environ["TRL_ES_LAUNCHED"] = "1"
-            script_args = _subtract_subsequence(argv, cli_remaining)
+            script_args = subtract_subsequence(argv, cli_remaining)
             command = [*launch_args, "-m", "trl_es.cli", "es", *script_args]
             launch_command(launch_command_parser().parse_args(command))
             return

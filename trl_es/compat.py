@@ -1,0 +1,103 @@
+"""The private names of TRL and transformers that trl-es relies on, in one place, each with the versions it was
+checked against and what happens where it differs. Everything else trl-es imports from them is public API.
+
+Checked against transformers 5.16.1 … 5.24.0 and TRL 1.16.0 (the supported range, pyproject.toml); the fast test
+suite runs on both ends of it (tests/test_compat.py, the CI matrix).
+
+- `BaseTrainer`: TRL's `_BaseTrainer` (TRL ≥ 1.0), the Trainer subclass GRPOTrainer builds on — it writes TRL's model
+  card (tags, the paper's citation). Without it: transformers' `Trainer`, with transformers' model card.
+- `subtract_subsequence`: what `trl <command>` removes from its argv before re-launching under accelerate (TRL's
+  `trl.cli.commands.training._subtract_subsequence`, private); a small function of our own, so that no version of
+  TRL's CLI internals matters.
+- `is_peft_model`: peft's own check (`isinstance(model, PeftModel)`), public, instead of transformers'
+  `trainer_utils._is_peft_model`; False when peft is not installed.
+- `let_transformers_see_gguf()`: on Python 3.10, importlib maps import names to distributions from `top_level.txt`
+  only, which the gguf wheel lacks, so transformers 5.16 reads gguf's version as "N/A" and cannot load a GGUF file
+  (SmolLM2); it adds the mapping to transformers' `import_utils.PACKAGE_DISTRIBUTION_MAPPING`. Python ≥ 3.11 and
+  newer transformers need nothing.
+- `TRAINER_HOOKS`: the Trainer methods ESTrainer overrides or calls, which transformers may rename in any release.
+  `check_trainer_hooks()` verifies them (names and parameters) when ESTrainer is imported, so an unsupported
+  transformers fails at once with the supported range instead of training wrongly.
+
+Optional packages come with the extras of pyproject.toml; `import_extra` imports one or names the extra to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+from transformers import Trainer
+
+
+try:  # TRL >= 1.0
+    from trl.trainer.base_trainer import _BaseTrainer as BaseTrainer
+except ImportError:  # pragma: no cover - another TRL layout: transformers' Trainer, transformers' model card
+    BaseTrainer = Trainer
+
+SUPPORTED = "transformers>=5.16.1,<6 and trl>=1.16,<2"
+
+TRAINER_HOOKS = {
+    "_prepare_for_training": ("max_steps", "train_dataloader", "resume_from_checkpoint"),
+    "_load_optimizer_and_scheduler": ("checkpoint",),
+    "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
+    "_save_checkpoint": ("model", "trial"),
+    "_get_output_dir": ("trial",),
+    "_get_train_sampler": ("train_dataset",),
+    "_set_signature_columns_if_needed": (),
+    "create_optimizer": ("model",),
+    "create_scheduler": ("num_training_steps", "optimizer"),
+}
+"""Trainer methods ESTrainer overrides or calls, with the parameters it passes (transformers 5.16.1–5.24.0)."""
+
+
+def check_trainer_hooks(trainer_class: type = Trainer) -> None:
+    """An ImportError naming the supported versions when `trainer_class` lacks a hook or its parameters changed."""
+    for name, parameters in TRAINER_HOOKS.items():
+        method = getattr(trainer_class, name, None)
+        found = list(inspect.signature(method).parameters)[1:] if method is not None else None
+        if found is None or any(parameter not in found for parameter in parameters):
+            raise ImportError(
+                f"trl-es needs transformers' Trainer.{name}({', '.join(parameters)}), and this transformers has "
+                f"{'none' if found is None else found}: install {SUPPORTED}"
+            )
+
+
+def let_transformers_see_gguf() -> None:
+    """Register gguf's distribution with transformers where Python 3.10 cannot find it (see the module docstring)."""
+    from transformers.utils import import_utils
+
+    mapping = getattr(import_utils, "PACKAGE_DISTRIBUTION_MAPPING", None)
+    if isinstance(mapping, dict) and "gguf" not in mapping:
+        mapping["gguf"] = ["gguf"]
+
+
+def subtract_subsequence(items: list[str], subsequence: list[str]) -> list[str]:
+    """`items` without the elements of `subsequence`, matched in order (the arguments `trl-es es` hands on to the
+    processes it launches, without those it gave to `accelerate launch`)."""
+    result, position = [], 0
+    for item in items:
+        if position < len(subsequence) and item == subsequence[position]:
+            position += 1
+        else:
+            result.append(item)
+    return result
+
+
+def is_peft_model(model) -> bool:
+    """Whether `model` is a PEFT model (peft's own class check)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+def import_extra(module: str, extra: str, feature: str):
+    """`module`, imported; when it is missing, an ImportError naming the `trl-es[extra]` that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(
+            f"{feature} needs {module}, which is not installed: pip install 'trl-es[{extra}]'"
+        ) from error
