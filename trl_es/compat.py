@@ -1,8 +1,8 @@
 """The private names of TRL and transformers that trl-es relies on, in one place, each with the versions it was
 checked against and what happens where it differs. Everything else trl-es imports from them is public API.
 
-Checked against transformers 5.16.1 … 5.24.0 and TRL 1.16.0 (the supported range, pyproject.toml); the fast test
-suite runs on both ends of it (tests/test_compat.py, the CI matrix).
+Checked against transformers 5.16.1 … 5.24.0 and TRL 1.14.2 … 1.16.0 (the supported range, pyproject.toml); the fast
+test suite runs on both ends of it (tests/test_compat.py, .ci/matrix).
 
 - `BaseTrainer`: TRL's `_BaseTrainer` (TRL ≥ 1.0), the Trainer subclass GRPOTrainer builds on — it writes TRL's model
   card (tags, the paper's citation). Without it: transformers' `Trainer`, with transformers' model card.
@@ -35,7 +35,7 @@ try:  # TRL >= 1.0
 except ImportError:  # pragma: no cover - another TRL layout: transformers' Trainer, transformers' model card
     BaseTrainer = Trainer
 
-SUPPORTED = "transformers>=5.16.1,<6 and trl>=1.16,<2"
+SUPPORTED = "transformers>=5.16.1,<6 and trl>=1.14.2,<2"
 
 TRAINER_HOOKS = {
     "_prepare_for_training": ("max_steps", "train_dataloader", "resume_from_checkpoint"),
