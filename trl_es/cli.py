@@ -15,6 +15,9 @@ trl-es sparsity-sweep --base B --tuned T [--taus 1e-3,2e-3] [--top 0.01]
 trl-es eval --model M [--model M2 ...] --task gsm8k --n 8 --k 1,4,8 [--limit 50] [--out-dir D]
                                      # Pass@K, Maj@K and token entropy per model: a table, results.json,
                                      # Pass@K-profile and Pareto plots; resumes an interrupted run
+trl-es study --task small_sums --budget-minutes 20 [--methods es,grpo,grpo-es,es-grpo] [--out D]
+                                     # ES vs GRPO at the same wall-clock budget: Pass@K, Maj@K, entropy,
+                                     # update size and sparsity, KL drift; a table, results.json, plots; resumes
 trl-es replay --chain es_chain.json --base M --out DIR [--steps K]
                                      # the trained model rebuilt bitwise from the starting model and the seed chain
 trl-es vllm-serve --model M [--host 127.0.0.1] [--port 8000] [vllm serve flags ...]
@@ -132,6 +135,15 @@ def main(argv: list[str] | None = None) -> int:
             evaluate(rest)
         except (ValueError, FileNotFoundError) as error:
             print(f"trl-es eval: {error}", file=sys.stderr)
+            return 1
+        return 0
+    if command == "study":
+        from .study import main as study
+
+        try:
+            study(rest)
+        except (ValueError, FileNotFoundError) as error:
+            print(f"trl-es study: {error}", file=sys.stderr)
             return 1
         return 0
     if command == "replay":

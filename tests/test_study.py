@@ -1,0 +1,71 @@
+"""`trl-es study` in quick mode on a tiny offline model: every method trains, the base and the results are
+evaluated and measured, the outputs are written, and a second run resumes instead of training again."""
+
+import json
+import os
+
+import pytest
+
+from trl_es.study import main as study
+
+
+REWARD = '''
+from trl_es.tasks.data import completion_text
+
+
+def text_length(completions, **kwargs):
+    """A reward a random tiny model earns unevenly: its completion's length in characters."""
+    return [len(completion_text(c)) / 10 for c in completions]
+'''
+
+
+def quick(out, model, methods="es,grpo,grpo-es"):
+    return ["--task", "small_sums", "--model", model, "--methods", methods, "--out", str(out),
+            "--budget-minutes", "0.001", "--max-steps", "2", "--max-completion-length", "4",
+            "--n", "4", "--k", "1,2,4", "--limit", "4", "--reward", "study_reward.text_length"]  # fmt: skip
+
+
+@pytest.mark.slow  # trains three stages and evaluates four models
+def test_quick_study_writes_the_comparison_and_resumes(tmp_path, tiny_model_dir, monkeypatch, capsys):
+    (tmp_path / "study_reward.py").write_text(REWARD)
+    monkeypatch.chdir(tmp_path)
+    results = study(quick(tmp_path / "study", tiny_model_dir))
+
+    assert list(results["models"]) == ["base", "es", "grpo", "grpo-es"]
+    for name, row in results["models"].items():
+        assert 0 <= row["eval"]["pass@1"] <= row["eval"]["pass@2"] <= row["eval"]["pass@4"] <= 1
+        assert {"maj@4", "mean_token_entropy"} <= set(row["eval"])
+        if name == "base":
+            continue
+        training = row["training"]
+        assert training["steps"] == 1  # the budget has passed after the first step
+        assert training["completions"] == {"es": 64, "grpo": 16, "grpo-es": 64}[name]  # 8 members × 8 prompts
+        assert training["starts_from"] == {"es": "base", "grpo": "base", "grpo-es": "grpo"}[name]
+        assert training["history"] and training["settings"]["trainer"].endswith("Trainer")
+        assert row["update"]["relative_l2"] > 0 and row["update"]["kl_drift"] > 0
+        assert set(row["update"]["s_tau"]) == {"0.001", "0.0015", "0.002"}
+    assert -1 <= results["cosine_es_grpo"] <= 1
+    out = tmp_path / "study"
+    assert json.loads((out / "results.json").read_text())["models"].keys() == results["models"].keys()
+    table = (out / "table.md").read_text()
+    assert all(f"| {name} |" in table for name in results["models"]) and "cos(Δ_ES, Δ_GRPO)" in table
+    for plot in ("reward_vs_time.png", "pass_at_k.png", "pareto.png"):
+        assert (out / plot).stat().st_size > 0
+
+    trained = {m: os.path.getmtime(out / m / "training.json") for m in ("es", "grpo", "grpo-es")}
+    capsys.readouterr()
+    again = study(quick(tmp_path / "study", tiny_model_dir))
+    assert capsys.readouterr().err.count("trained in an earlier run") == 3
+    assert trained == {m: os.path.getmtime(out / m / "training.json") for m in trained}
+    scores = ("pass@1", "pass@4", "maj@4", "mean_token_entropy")  # the finished evaluation batches are reused
+    assert [again["models"]["es"]["eval"][s] for s in scores] == [results["models"]["es"]["eval"][s] for s in scores]
+
+
+@pytest.mark.parametrize(
+    ("methods", "message"),
+    [("es,grpo-es", "grpo-es continues the grpo result"), ("es,ppo", "unknown method 'ppo'")],
+)
+def test_bad_methods_are_refused_before_training(tmp_path, tiny_model_dir, methods, message):
+    with pytest.raises(ValueError, match=message):
+        study(quick(tmp_path / "study", tiny_model_dir, methods))
+    assert not (tmp_path / "study").exists()
