@@ -1,6 +1,6 @@
 """Learning per CPU-minute on the demo task: ES settings against TRL's GRPOTrainer at the same wall-clock budget.
 
-    python benchmarks/learning.py [--minutes 5] [--seeds 0,1,2] [--settings demo,momentum,...] [--grpo-lr 1e-5]
+    python benchmarks/learning.py [--minutes 5] [--seeds 0,1,2] [--settings grpo,demo,momentum,...] [--grpo-lr 1e-5]
 
 Every run starts from SmolLM2-135M-Instruct, trains on small sums (`first_integer_reward`, greedy rollouts for ES,
 12 new tokens) until `--minutes` of wall clock have passed (the step running at the deadline finishes), then scores
@@ -76,7 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=5.0)
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--settings", default=",".join(["grpo", *SETTINGS]), help="grpo: the reference")
     parser.add_argument("--grpo-lr", type=float, default=1e-5)
     parser.add_argument("--out", default="outputs/learning")
     parser.add_argument("--one", nargs=3, metavar=("KIND", "NAME", "SEED"), help=argparse.SUPPRESS)
@@ -86,7 +86,8 @@ def main() -> None:
         print(json.dumps(run(kind, name, int(seed), options.minutes, options.grpo_lr)))
         return
     os.makedirs(options.out, exist_ok=True)
-    plan = [("grpo", f"grpo lr={options.grpo_lr:g}")] + [("es", name) for name in options.settings.split(",")]
+    plan = [("grpo", f"grpo lr={options.grpo_lr:g}") if name == "grpo" else ("es", name)
+            for name in options.settings.split(",")]  # fmt: skip
     results = {}
     for kind, name in plan:
         for seed in [int(s) for s in options.seeds.split(",")]:

@@ -115,7 +115,8 @@ def train_methods(options, dataset, progress) -> dict:
             continue
         *first, kind = method.split("-")
         start = os.path.join(options.out, first[0]) if first else options.model
-        progress(f"{method}: {kind.upper()} from {start} for {options.budget_minutes:g} min")
+        settings = ES_SETTINGS if kind == "es" else GRPO_SETTINGS
+        progress(f"{method}: {kind.upper()} from {start} for {options.budget_minutes:g} min with {settings}")
         records[method] = train(kind, start, output_dir, dataset, options)
         records[method]["starts_from"] = first[0] if first else "base"
         atomic_write_text(record_path, json.dumps(records[method], indent=1))
@@ -173,11 +174,11 @@ def plot_rewards(records: dict, path: str) -> None:
     """Mean training reward against wall clock per method (a continued method after its first stage's time)."""
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(6, 4))
-    for method, record in records.items():
+    for color, (method, record) in enumerate(records.items(), start=1):  # C0 is the base's in the Pass@K plots
         offset = records[record["starts_from"]]["seconds"] if record["starts_from"] != "base" else 0.0
         if record["history"]:
             seconds, _, rewards = zip(*record["history"], strict=True)
-            axes.plot([offset + s for s in seconds], rewards, ".-", label=method)
+            axes.plot([offset + s for s in seconds], rewards, ".-", color=f"C{color}", label=method)
     axes.set_xlabel("wall clock (s)")
     axes.set_ylabel("mean training reward")
     axes.legend(fontsize=8)
