@@ -2,8 +2,8 @@
 
     python benchmarks/chains.py [--steps 4] [--population 8]
 
-Trains the demo's settings (SmolLM2-135M-Instruct, small sums, N=8, σ=3e-3, α=2e-3, greedy, 12 tokens, 8 prompts per
-step) for `--steps` steps on CPU, then replays the chain from the base model and checks the weights are bitwise the
+Trains the demo's earlier settings (SmolLM2-135M-Instruct, small sums, N=8, σ=3e-3, α=2e-3, greedy, 12 tokens,
+8 prompts per step) for `--steps` steps on CPU, then replays the chain from the base model and checks the weights are bitwise the
 trained ones. Prints, measured in this run: bytes per step of the chain at N=8 and N=30 (the N=30 records come from
 a short run of the same code on a tiny model: a full-ES record does not depend on the model's size), training and
 replay seconds and their ratio, and the chain's size beside the full weights, the sparse delta of the same run

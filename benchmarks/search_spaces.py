@@ -5,7 +5,7 @@ against the low-rank batched population (EGGROLL), then each strategy's reward c
 
 Throughput: the same population, prompts and completion lengths (every completion exactly `--tokens` tokens), one
 fresh process per strategy; the wall time of the last of 2 steps (the first includes one-off allocations) and the
-peak RSS of the process. Curves: the demo's settings (small sums, first_integer_reward, N=8, σ=3e-3, α=2e-3,
+peak RSS of the process. Curves: the demo's earlier settings (small sums, first_integer_reward, N=8, σ=3e-3, α=2e-3,
 greedy, 12 tokens, 8 prompts per step) for full ES, an attention-only subset, a new LoRA adapter, CoPES and
 low-rank ES; then Hyper-ES merging the full and CoPES results. Prints tables; ratios are within this one run.
 """

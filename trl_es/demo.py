@@ -2,10 +2,11 @@
 
     python -m trl_es.demo [--steps 12] [--population 8]
 
-Settings come from a calibration run on 2 CPU cores (N=8, σ=3e-3, α=2e-3, greedy decoding, 8 prompts per step),
-which took held-out accuracy from 3/64 to 12/64 in 12 steps; Qiu et al.'s defaults (σ=1e-3, α=5e-4) moved it
-within noise (6/64) in the same time. Completions are cut at 12 tokens: only the first
-integer is scored.
+Settings (N=8, σ=5e-3, α=5e-3, greedy decoding, 8 prompts per step) are the best of `benchmarks/learning.py` on
+2 CPU cores: held-out accuracy 0.72 on average over 3 seeds after 4 minutes, against 0.35 for the earlier
+σ=3e-3, α=2e-3 (better on every seed) and 0.16 for TRL's GRPOTrainer (lr 1e-5) in the same time; Qiu et al.'s
+defaults (σ=1e-3, α=5e-4) moved it within noise. Completions are cut at 12 tokens: only the first integer is
+scored.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--population", type=int, default=8)
-    parser.add_argument("--sigma", type=float, default=3e-3)
-    parser.add_argument("--learning-rate", type=float, default=2e-3)
+    parser.add_argument("--sigma", type=float, default=5e-3)
+    parser.add_argument("--learning-rate", type=float, default=5e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", default="outputs/demo")
     options = parser.parse_args(argv)

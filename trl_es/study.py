@@ -5,11 +5,12 @@
 Each method trains from the same model on the same prompts in the same order (no shuffling), with the task's reward
 and the same completion length, until the budget of wall clock has passed (the step running then finishes):
 `grpo` is TRL's GRPOTrainer (4 prompts × 4 completions per step, lr 1e-5), `es` is ESTrainer with the demo's
-calibrated settings (N=8, σ=3e-3, α=2e-3, 8 prompts per step, greedy members). `grpo-es` continues the `grpo` result
-with ES for another budget, `es-grpo` the `es` result with GRPO: two budgets in all. Then the base and every result
-are evaluated on the task's held-out problems with the same sampling (`trl_es.evaluation`: Pass@K and Maj@K,
-mean token entropy) and every update is measured against the base (`trl_es.sparse.update_statistics`: relative L2
-and s_τ; `trl_es.analysis`: the cosine between the ES and GRPO updates, KL drift on a fixed off-task text sample).
+calibrated settings (N=8, σ=5e-3, α=5e-3, 8 prompts per step, greedy members, or sampling ones with --es-sample).
+`grpo-es` continues the `grpo` result with ES for another budget, `es-grpo` the `es` result with GRPO: two budgets
+in all. Then the base and every result are evaluated on the task's held-out problems with the same sampling
+(`trl_es.evaluation`: Pass@K and Maj@K, mean token entropy) and every update is measured against the base
+(`trl_es.sparse.update_statistics`: relative L2 and s_τ; `trl_es.analysis`: the cosine between the ES and GRPO
+updates, KL drift on a fixed off-task text sample).
 
 Writes DIR/results.json, DIR/table.md, DIR/reward_vs_time.png, DIR/pass_at_k.png and DIR/pareto.png. Re-running
 the command resumes: a method whose DIR/<method>/training.json exists is not trained again (an interrupted one
@@ -33,8 +34,8 @@ from .tasks import TASKS, get_task
 
 
 METHODS = ("es", "grpo", "grpo-es", "es-grpo")
-ES_SETTINGS = {"population_size": 8, "sigma": 3e-3, "learning_rate": 2e-3, "per_device_train_batch_size": 8}
-"""The demo's calibrated ES settings (trl_es.demo); members generate greedily."""
+ES_SETTINGS = {"population_size": 8, "sigma": 5e-3, "learning_rate": 5e-3, "per_device_train_batch_size": 8}
+"""The demo's calibrated ES settings (trl_es.demo); members generate greedily unless --es-sample."""
 GRPO_SETTINGS = {"learning_rate": 1e-5, "per_device_train_batch_size": 16, "num_generations": 4, "bf16": False}
 """TRL GRPOTrainer: 4 prompts × 4 completions per step, lr 1e-5 (TRL's default 1e-6 barely moves in minutes)."""
 TAUS = (1e-3, 1.5e-3, 2e-3)
@@ -89,10 +90,10 @@ def train(kind: str, model: str, output_dir: str, dataset, options) -> dict:
     else:
         from . import ESConfig, ESTrainer
 
-        args = ESConfig(**common, **ES_SETTINGS, generation_kwargs={"do_sample": False})
+        args = ESConfig(**common, **ES_SETTINGS, generation_kwargs={"do_sample": options.es_sample})
         trainer = ESTrainer(model, options.reward_funcs, args=args, train_dataset=dataset, callbacks=[deadline])
         completions_per_step = args.population_size * args.per_device_train_batch_size * args.num_generations
-        settings = {"trainer": "trl_es.ESTrainer", **ES_SETTINGS, "do_sample": False}
+        settings = {"trainer": "trl_es.ESTrainer", **ES_SETTINGS, "do_sample": options.es_sample}
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
@@ -115,7 +116,7 @@ def train_methods(options, dataset, progress) -> dict:
             continue
         *first, kind = method.split("-")
         start = os.path.join(options.out, first[0]) if first else options.model
-        settings = ES_SETTINGS if kind == "es" else GRPO_SETTINGS
+        settings = {**ES_SETTINGS, "do_sample": options.es_sample} if kind == "es" else GRPO_SETTINGS
         progress(f"{method}: {kind.upper()} from {start} for {options.budget_minutes:g} min with {settings}")
         records[method] = train(kind, start, output_dir, dataset, options)
         records[method]["starts_from"] = first[0] if first else "base"
@@ -243,6 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--reward", default=None, help="train on this reward (a registry name or dotted path) "
                         "instead of the task's; the evaluation scores with the task's")  # fmt: skip
     parser.add_argument("--max-completion-length", type=int, default=None, help="default: the task's")
+    parser.add_argument("--es-sample", action="store_true", help="ES members sample (temperature 1) as GRPO's "
+                        "completions do, instead of generating greedily as the demo's")  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=1_000_000, help="a cap on steps besides the budget")
     parser.add_argument("--n", type=int, default=16, help="completions sampled per held-out problem")
     parser.add_argument("--k", default="1,2,4,8,16", help="comma-separated K values for Pass@K and Maj@K")
