@@ -113,11 +113,16 @@ assert len([p for p in os.listdir("/proc") if p.isdigit()]) <= 2  # itself and t
 
 
 def test_ctrl_c_in_the_trainer_leaves_no_program_running():
+    # Ctrl-C at a terminal raises KeyboardInterrupt; a suite started in the background inherits SIGINT ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        run_python("import time\ntime.sleep(60)", timeout_s=30)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_python("import time\ntime.sleep(60)", timeout_s=30)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - start < 10
     time.sleep(0.2)
     assert throwaway_processes() == []
