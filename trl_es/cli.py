@@ -110,6 +110,16 @@ def apply_delta_command(argv: list[str]) -> None:
     print(f"Model saved to {options.out}.")
 
 
+def _run(command: str, function, rest: list[str]) -> int:
+    """Run a subcommand; bad input (ValueError, FileNotFoundError) is one line naming it on stderr, exit status 1."""
+    try:
+        function(rest)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"trl-es {command}: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -122,39 +132,19 @@ def main(argv: list[str] | None = None) -> int:
         demo(rest)
         return 0
     if command in ("sparsify", "apply-delta"):
-        try:
-            (sparsify if command == "sparsify" else apply_delta_command)(rest)
-        except (ValueError, FileNotFoundError) as error:
-            print(f"trl-es {command}: {error}", file=sys.stderr)
-            return 1
-        return 0
+        return _run(command, sparsify if command == "sparsify" else apply_delta_command, rest)
     if command == "eval":
         from .evaluation import main as evaluate
 
-        try:
-            evaluate(rest)
-        except (ValueError, FileNotFoundError) as error:
-            print(f"trl-es eval: {error}", file=sys.stderr)
-            return 1
-        return 0
+        return _run(command, evaluate, rest)
     if command == "study":
         from .study import main as study
 
-        try:
-            study(rest)
-        except (ValueError, FileNotFoundError) as error:
-            print(f"trl-es study: {error}", file=sys.stderr)
-            return 1
-        return 0
+        return _run(command, study, rest)
     if command == "replay":
         from .chains import main as replay
 
-        try:
-            replay(rest)
-        except (ValueError, FileNotFoundError) as error:
-            print(f"trl-es replay: {error}", file=sys.stderr)
-            return 1
-        return 0
+        return _run(command, replay, rest)
     if command == "vllm-serve":
         from .vllm_serve import main as serve
 
