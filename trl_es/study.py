@@ -74,6 +74,13 @@ class Deadline(TrainerCallback):
         return control
 
 
+def stage_settings(kind: str, options) -> dict:
+    """What a stage of `kind` ("es" or "grpo") trains with, as printed and saved."""
+    if kind == "grpo":
+        return {"trainer": "trl.GRPOTrainer", **GRPO_SETTINGS}
+    return {"trainer": "trl_es.ESTrainer", **ES_SETTINGS, "do_sample": options.es_sample}
+
+
 def train(kind: str, model: str, output_dir: str, dataset, options) -> dict:
     """One stage: `kind` ("es" or "grpo") trained from `model` for the budget, saved to `output_dir`."""
     deadline = Deadline(options.budget_minutes * 60)
@@ -86,20 +93,18 @@ def train(kind: str, model: str, output_dir: str, dataset, options) -> dict:
         args = GRPOConfig(**common, **GRPO_SETTINGS)
         trainer = GRPOTrainer(model, options.reward_funcs, args=args, train_dataset=dataset, callbacks=[deadline])
         completions_per_step = args.per_device_train_batch_size
-        settings = {"trainer": "trl.GRPOTrainer", **GRPO_SETTINGS}
     else:
         from . import ESConfig, ESTrainer
 
         args = ESConfig(**common, **ES_SETTINGS, generation_kwargs={"do_sample": options.es_sample})
         trainer = ESTrainer(model, options.reward_funcs, args=args, train_dataset=dataset, callbacks=[deadline])
         completions_per_step = args.population_size * args.per_device_train_batch_size * args.num_generations
-        settings = {"trainer": "trl_es.ESTrainer", **ES_SETTINGS, "do_sample": options.es_sample}
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start
     trainer.save_model()
     steps = trainer.state.global_step
-    return {"settings": settings, "steps": steps, "seconds": round(seconds, 1),
+    return {"settings": stage_settings(kind, options), "steps": steps, "seconds": round(seconds, 1),
             "completions": steps * completions_per_step, "history": deadline.history}  # fmt: skip
 
 
@@ -116,8 +121,8 @@ def train_methods(options, dataset, progress) -> dict:
             continue
         *first, kind = method.split("-")
         start = os.path.join(options.out, first[0]) if first else options.model
-        settings = {**ES_SETTINGS, "do_sample": options.es_sample} if kind == "es" else GRPO_SETTINGS
-        progress(f"{method}: {kind.upper()} from {start} for {options.budget_minutes:g} min with {settings}")
+        progress(f"{method}: {kind.upper()} from {start} for {options.budget_minutes:g} min with "
+                 f"{stage_settings(kind, options)}")  # fmt: skip
         records[method] = train(kind, start, output_dir, dataset, options)
         records[method]["starts_from"] = first[0] if first else "base"
         atomic_write_text(record_path, json.dumps(records[method], indent=1))
