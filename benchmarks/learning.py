@@ -40,7 +40,7 @@ def run(kind: str, name: str, seed: int, minutes: float, grpo_lr: float) -> dict
     """One budgeted run in this process: held-out accuracy after it, steps done, seconds."""
     from trl_es.demo import held_out_accuracy
     from trl_es.models import smollm2_dir
-    from trl_es.study import Deadline
+    from trl_es.study import GRPO_SETTINGS, Deadline
     from trl_es.tasks import first_integer_reward, small_sums
 
     deadline, train, held_out = Deadline(minutes * 60), small_sums("train"), small_sums("test")
@@ -49,8 +49,7 @@ def run(kind: str, name: str, seed: int, minutes: float, grpo_lr: float) -> dict
     if kind == "grpo":
         from trl import GRPOConfig, GRPOTrainer
 
-        args = GRPOConfig(**common, learning_rate=grpo_lr, per_device_train_batch_size=16, num_generations=4,
-                          bf16=False)  # fmt: skip
+        args = GRPOConfig(**common, **{**GRPO_SETTINGS, "learning_rate": grpo_lr})
         trainer = GRPOTrainer(smollm2_dir(), first_integer_reward, args=args, train_dataset=train,
                               callbacks=[deadline])  # fmt: skip
         score = None
