@@ -49,11 +49,14 @@ def test_colocate_evaluation_equals_transformers_evaluation(colocate):
 
 @pytest.mark.slow
 def test_colocate_member_weights_equal_transformers_perturbation(colocate):
-    """For each member seed, the HF-named tensors vLLM loads are the HF path's θ + σ·ε bitwise; vLLM's own unpacked
-    parameters (embedding, norms) equal them; its completions equal transformers' on them; restoring is exact."""
+    """Members are written into vLLM's own weights in place (no reload). For each member seed, vLLM's weights are the
+    HF path's θ + σ·ε bitwise (the fused qkv rows, the embedding, the norms); its completions equal transformers' on
+    them (so its packed CPU kernels took the member); restoring is exact."""
+    assert colocate["members_in_place"] is True
     assert len(colocate["members"]) == 3
     for member in colocate["members"]:
         assert member == {
+            "fused_rows_equal": True,
             "sent_equal": True,
             "embedding_equal": True,
             "norm_equal": True,

@@ -81,6 +81,7 @@ def colocate(out: Path) -> dict:
     hf, results["hf_rewards"], results["hf_seconds"] = run(out, model_dir, "hf")
     vl, results["vllm_rewards"], results["vllm_seconds"] = run(out, model_dir, "vllm", use_vllm=True)
     results["same_final_weights"] = fingerprint(hf.model) == fingerprint(vl.model)
+    results["members_in_place"] = vl.rollout.members_in_place
     eval_dataset = Dataset.from_dict({"prompt": PROMPTS[:4]})
     results["hf_eval"], results["vllm_eval"] = (
         {k: v for k, v in t.evaluate(eval_dataset).items() if k != "eval_runtime"} for t in (hf, vl)
@@ -110,8 +111,13 @@ def colocate(out: Path) -> dict:
         vl.weights.member(seed, scale)
         local.member(seed, scale)
         inside = worker_model(vl)
+        q_rows = len(vl.model.model.layers[0].self_attn.q_proj.weight)
         results["members"].append(
             {
+                "fused_rows_equal": torch.equal(
+                    inside.model.layers[0].self_attn.qkv_proj.weight[:q_rows],
+                    vl.model.model.layers[0].self_attn.q_proj.weight,
+                ),
                 "sent_equal": vl.weights.fingerprint() == fingerprint(vl.model),
                 "embedding_equal": torch.equal(inside.model.embed_tokens.weight, vl.model.model.embed_tokens.weight),
                 "norm_equal": torch.equal(

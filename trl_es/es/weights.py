@@ -68,10 +68,10 @@ class LocalWeights:
 
     def member(self, seed: int, scale: float, names: list[str] | None = None) -> set[str]:
         names = list(self.params) if names is None else names
-        written = self.center()
+        written, self.changed = self.changed | set(names), set(names)
+        self.snapshot.restore(written - self.changed)  # `names` are rewritten from the snapshot, never accumulated
         self.snapshot.perturb(self.table, seed, scale, names)
-        self.changed = set(names)
-        return written | self.changed
+        return written
 
     def write(self, weights: dict[str, torch.Tensor], member: bool = True) -> set[str]:
         """A member given by its weights (e.g. a candidate merge): `weights` over their names, θ elsewhere. With

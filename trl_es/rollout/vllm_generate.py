@@ -19,6 +19,7 @@ import os
 import random
 import tempfile
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -246,6 +247,13 @@ class VLLMRollout(TransformersRollout):
         errors = [r["error"] for r in results if "error" in r]
         if errors:
             raise ValueError(f"vLLM cannot hold this model's ES parameters: {errors[0]}")
+        self.members_in_place = all(r.get("in_place") for r in results)
+        if not self.members_in_place:
+            warnings.warn(
+                "vLLM's weights cannot be written in place for this model or parallel layout: each member is copied "
+                "in through vLLM's loader (on CPU a whole-model reload, ~1 s per 135M parameters)",
+                stacklevel=2,
+            )
         expected = weights.fingerprint()
         if any(r["fingerprint"] != expected for r in results):
             served = getattr(self.engine, "model", None)
