@@ -8,8 +8,9 @@ The peer is a port of the paper's HF loop (`countdown/es_fine-tuning_countdown_i
 each member draws `torch.randn` noise per parameter from a generator seeded (seed + parameter index), adds σ·noise,
 generates, subtracts the regenerated noise again; the update regenerates every member's noise once more and adds
 α/N·Σ zᵢ·noiseᵢ (z: the z-scored rewards). trl-es runs ESTrainer: transformers `generate`, vLLM colocated (eager,
-and compiled with torch.compile: `vllm_enforce_eager=False`), and the low-rank batched population (EGGROLL); full-
-and low-rank again at `--large-population`.
+and compiled with torch.compile: `vllm_enforce_eager=False`; "members reloaded" is the eager row with the members
+copied into vLLM by a whole-model reload, as before they were written in place), and the low-rank batched population
+(EGGROLL); full- and low-rank again at `--large-population`.
 
 The same workload for all: the first `--prompts` Countdown problems, greedy, every completion exactly `--tokens`
 tokens (`min_new_tokens`), fp32. Each row runs 2 steps in a fresh process and times the last one; "restore bitwise"
@@ -108,6 +109,10 @@ def trl_es(spec: dict, out_dir: str) -> dict:
         def on_step_end(self, args, state, control, **kwargs):
             self.seconds = time.perf_counter() - self.start
 
+    if spec.get("reload_members"):  # vLLM as before in-place members: each one copied in by a whole-model reload
+        from trl_es.rollout.vllm_worker import ESWorkerExtension
+
+        ESWorkerExtension._es_find_views = lambda self, model, working: None
     n, tokens = spec["population"], spec["tokens"]
     args = ESConfig(
         output_dir=out_dir,
@@ -181,10 +186,12 @@ def main():
         ("peer: Qiu et al. loop", "peer", small, {}),
         ("trl-es transformers", "trl-es", small, {}),
         ("trl-es vLLM (eager)", "trl-es", small, vllm),
+        ("  same, members reloaded", "trl-es", small, vllm, True),
         ("trl-es vLLM (compiled)", "trl-es", small, {**vllm, "vllm_enforce_eager": False}),
         ("trl-es low-rank", "trl-es", small, {"es_search_space": "lowrank"}),
         ("trl-es transformers", "trl-es", large, {}),
         ("trl-es low-rank", "trl-es", large, {"es_search_space": "lowrank"}),
+        ("  same, 8 members per call", "trl-es", large, {"es_search_space": "lowrank", "lowrank_members_per_call": 8}),
     ]
     if options.no_vllm:
         rows = [row for row in rows if "use_vllm" not in row[3]]
@@ -198,8 +205,9 @@ def main():
     header = f"{'':26} {'N':>3} {'s/step':>7} {'members/min':>12} {'vs peer':>8} {'generate':>9} {'perturb':>8}"
     print(f"{header} {'update':>7} {'peak RSS MB':>12} {'restore bitwise':>16}")
     peer_rate = None
-    for k, (label, engine, n, settings) in enumerate(rows):
+    for k, (label, engine, n, settings, *reload) in enumerate(rows):
         spec = {"label": label, "engine": engine, "population": n, "settings": settings, **common}
+        spec["reload_members"] = bool(reload)
         result = run(spec, os.path.join(scratch, f"row-{k}"))
         rate = 60 * n / result["step_seconds"]
         peer_rate = peer_rate or rate

@@ -16,6 +16,7 @@ from trl_es.es import (
     update_coefficients,
 )
 from trl_es.es.noise import CHUNK
+from trl_es.es.weights import LocalWeights
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +95,24 @@ def test_perturb_sets_theta_plus_scale_times_noise(table):
     snapshot.perturb(table, 11, 0.5)
     expected = theta + 0.5 * full_noise(table, 11, "big", theta.numel())
     assert torch.equal(params["big"].detach(), expected)
+
+
+def test_local_weights_members_over_changing_names_are_exact(table):
+    """A member over some names after a member over others: those others are θ again, the new ones θ + scale·ε
+    (written from the copy of θ, never accumulated); `center` reports what it wrote and leaves θ bitwise."""
+    params = make_params()
+    theta = {n: p.detach().clone() for n, p in params.items()}
+    weights = LocalWeights(params, seed=0, table_size=CHUNK * 2)
+    weights.capture()
+    weights.table = table  # the test's own table, for `full_noise` (capture built the run's)
+    assert weights.member(5, 0.5) == set(params)
+    assert weights.member(6, 0.25, ["a.weight", "big"]) == set(params)  # c.bias and b.weight written back to θ
+    for name in params:
+        expected = theta[name] + 0.25 * full_noise(table, 6, name, theta[name].numel()).view_as(theta[name])
+        assert torch.equal(params[name].detach(), expected if name in ("a.weight", "big") else theta[name]), name
+    assert weights.member(7, 0.1, ["c.bias"]) == {"a.weight", "big", "c.bias"}
+    assert weights.center() == {"c.bias"}
+    assert all(torch.equal(params[n].detach(), theta[n]) for n in params)
 
 
 def test_select_parameters_by_pattern_and_errors():

@@ -74,6 +74,15 @@ def test_colocate_copes_equals_transformers_copes(colocate):
 
 
 @pytest.mark.slow
+def test_colocate_without_views_copies_members_in_and_warns(colocate):
+    """The fallback for weights vLLM holds in another layout: each member goes through vLLM's loader (a whole-model
+    reload on CPU), with a warning; the run is the same."""
+    assert colocate["copied_in_place"] is False and colocate["copied_warned"]
+    assert colocate["copied_rewards"] == colocate["hf_rewards"]
+    assert colocate["copied_same_final_weights"]
+
+
+@pytest.mark.slow
 def test_colocate_save_model_writes_hf_names(colocate):
     """No fused vLLM names (qkv_proj, gate_up_proj): the saved file is the HF model's, and loads back."""
     assert colocate["saved_names"] == colocate["hf_names"]

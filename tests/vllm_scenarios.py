@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 
@@ -138,6 +139,18 @@ def colocate(out: Path) -> dict:
     hf_copes, results["hf_copes_rewards"], _ = run(out, model_dir, "hf-copes", **copes)
     vl_copes, results["vllm_copes_rewards"], _ = run(out, model_dir, "vllm-copes", use_vllm=True, **copes)
     results["copes_same_final_weights"] = fingerprint(hf_copes.model) == fingerprint(vl_copes.model)
+
+    # where vLLM's weights cannot be viewed by HF name (a tensor-parallel shard, say), members are copied in
+    # through vLLM's loader: slower, same run, with a warning
+    from trl_es.rollout.vllm_worker import ESWorkerExtension
+
+    ESWorkerExtension._es_find_views = lambda self, model, working: None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        copied, results["copied_rewards"], _ = run(out, model_dir, "vllm-copied", use_vllm=True)
+    results["copied_warned"] = any("cannot be written in place" in str(w.message) for w in caught)
+    results["copied_in_place"] = copied.rollout.members_in_place
+    results["copied_same_final_weights"] = fingerprint(hf.model) == fingerprint(copied.model)
 
     # a reward function that fails in the middle of step 1: the error surfaces, θ is intact here and in vLLM
     calls = []

@@ -106,7 +106,8 @@ class ESWorkerExtension:
         "names", "path"} — the run's seed and table size (the trainer's), the dtype of the trainer's parameters, the
         names ES perturbs, and optionally a directory of safetensors (a checkpoint to resume from). θ comes from
         `weights` (colocate: the trainer's own tensors), else `path`, else the served model's files through vLLM's
-        loader. Returns {"fingerprint"} of θ over `names`, or {"error"} when a name is not among the weights."""
+        loader. Returns {"fingerprint"} of θ over `names` and {"in_place"}: whether members are written into vLLM's
+        weights directly (module docstring), or {"error"} when a name is not among the weights."""
         args = parse_payload(payload, "seed", "noise_table_size", "dtype", "names")
         if args["names"] is None:
             raise ValueError("es_init needs the names of the parameters ES perturbs")
