@@ -11,7 +11,7 @@ layers, heads, MLP width) with SmolLM2's vocabulary and random bf16 weights — 
 trained weights. Workload per member: `--prompts` prompts × `--tokens` new tokens (forced), greedy, N = 30.
 
 - restore (on the first shape): after 100 members written and restored, and after a step whose reward function
-  fails mid-population, the weights' SHA-256 equals θ's (the exact copy of θ lives in host memory);
+  fails mid-population, a hash of every weight's bytes equals θ's (the exact copy of θ lives in host memory);
 - memory: `torch.cuda.max_memory_allocated` during an ES step over the same during a plain generate of the batch
   (goal ≤ 1.10: ES adds only the noise table and an update buffer on the GPU);
 - members per minute: ES step (last of 2) full-rank and low-rank (all 30 members in one batched call) against
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import os
 import platform
@@ -64,12 +63,12 @@ def build_model(path: Path, shape: dict, tokenizer_dir: str, dtype: torch.dtype)
     return str(path)
 
 
-def weights_sha256(model) -> str:
-    digest = hashlib.sha256()
-    for name, param in model.named_parameters():
-        digest.update(name.encode())
-        digest.update(param.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
-    return digest.hexdigest()
+def fingerprint(model) -> str:
+    """A hash of the bytes of every parameter (`weights_fingerprint`): equal only for bitwise-equal weights."""
+    from trl_es.es.weights import weights_fingerprint
+
+    params = dict(model.named_parameters())
+    return weights_fingerprint(params, params)
 
 
 def prompts(n: int):
@@ -186,11 +185,11 @@ def restore_checks(trainer, model_dir: str, options, scratch: Path) -> dict:
     """θ bitwise after 100 members and after a step that fails mid-population."""
     weights = trainer.weights
     weights.capture()
-    theta = weights_sha256(trainer.model)
+    theta = fingerprint(trainer.model)
     for k in range(100):
         weights.member(1000 + k, 1e-2 * (-1) ** k)
     weights.center()
-    after_members = weights_sha256(trainer.model) == theta
+    after_members = fingerprint(trainer.model) == theta
 
     calls = []
 
@@ -201,7 +200,7 @@ def restore_checks(trainer, model_dir: str, options, scratch: Path) -> dict:
         return length_reward(completions)
 
     broken = es_trainer(model_dir, options, scratch / "failing", reward=failing)
-    before = weights_sha256(broken.model)
+    before = fingerprint(broken.model)
     try:
         broken.train()
         failed = False
@@ -209,7 +208,7 @@ def restore_checks(trainer, model_dir: str, options, scratch: Path) -> dict:
         failed = "injected failure" in str(error)
     return {
         "restore_after_100_members": after_members,
-        "restore_after_failed_step": failed and weights_sha256(broken.model) == before,
+        "restore_after_failed_step": failed and fingerprint(broken.model) == before,
     }
 
 
