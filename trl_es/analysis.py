@@ -78,9 +78,10 @@ def mean_nll(model, tokenizer, texts: list[str]) -> float:
 @torch.no_grad()
 def mean_token_kl(reference, model, tokenizer, texts: list[str]) -> float:
     """Mean over the positions of `texts` of KL(π_ref(·|x_<t) ‖ π(·|x_<t)) (padding excluded): 0 for the same
-    weights, larger the more `model` drifted from `reference` on these texts."""
+    weights, larger the more `model` drifted from `reference` on these texts. Summed in float64 and clamped at 0 per
+    position: KL ≥ 0, and what rounding leaves below 0 for a near-zero drift (float32 gave −3e-8) is rounding."""
     ref_logits, _, mask = _logits(reference, tokenizer, texts)
     logits, _, _ = _logits(model, tokenizer, texts)
-    ref_logp, logp = ref_logits.log_softmax(-1), logits.log_softmax(-1)
-    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)
+    ref_logp, logp = ref_logits.double().log_softmax(-1), logits.double().log_softmax(-1)
+    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp_min(0.0)
     return float(kl[mask].mean())
