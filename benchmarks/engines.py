@@ -144,7 +144,7 @@ def trl_es(spec: dict, out_dir: str) -> dict:
     weights.capture()
     before = weights.fingerprint()
     member = space.ask(3)[0]
-    with space.evaluating([member], 1):
+    with space.evaluating([member]):
         pass
     weights.center()
     return {"step_seconds": clock.seconds, "split": split, "restore_bitwise": weights.fingerprint() == before}

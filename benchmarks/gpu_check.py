@@ -64,11 +64,10 @@ def build_model(path: Path, shape: dict, tokenizer_dir: str, dtype: torch.dtype)
 
 
 def fingerprint(model) -> str:
-    """A hash of the bytes of every parameter (`weights_fingerprint`): equal only for bitwise-equal weights."""
-    from trl_es.es.weights import weights_fingerprint
+    """A hash of the bytes of every parameter (`weights_hash`): equal only for bitwise-equal weights."""
+    from trl_es.es.weights import weights_hash
 
-    params = dict(model.named_parameters())
-    return weights_fingerprint(params, params)
+    return weights_hash(dict(model.named_parameters()))
 
 
 def prompts(n: int):
@@ -120,11 +119,11 @@ def plain_generate(trainer, options) -> tuple[float, int]:
     rows = [row["prompt"] for row in prompts(options.prompts)]
     rollout = trainer.rollout
     ids = rollout.tokenize(rows)
-    rollout.generate(rows, ids, 1, 0)  # warm-up
+    rollout.generate(rows, ids, 1, [0] * len(rows))  # warm-up
     synchronize()
     reset_peak()
     start = time.perf_counter()
-    rollout.generate(rows, ids, 1, 0)
+    rollout.generate(rows, ids, 1, [0] * len(rows))
     synchronize()
     return time.perf_counter() - start, peak_bytes()
 

@@ -35,7 +35,8 @@ def main():
     rows = torch.arange(n).repeat_interleave(options.prompts)
 
     def generate(hooks: bool) -> float:
-        population = LowRankPopulation(targets, list(range(100, 100 + n)), [1] * n, 1e-3, 1, rows)
+        population = LowRankPopulation(targets, list(range(100, 100 + n)), [1] * n, 1e-3, 1)
+        population.route(rows)
         with population if hooks else contextlib.nullcontext(), torch.inference_mode():
             start = time.perf_counter()
             model.generate(**inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)

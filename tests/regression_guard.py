@@ -1,4 +1,5 @@
-"""The bitwise regression guard: the final weights of short greedy ES runs, hashed, for every search space.
+"""The bitwise regression guard: the final weights of short ES runs, hashed, for every search space (greedy, and
+sampled where which members share a generate call must not matter).
 
     python tests/regression_guard.py MODELS_DIR OUT_DIR [--vllm] SCENARIO ...
 
@@ -41,7 +42,18 @@ SCENARIOS = {
     "merge": {"es_search_space": "merge", "population_size": 5},
     "resume": {},
     "full_adamw": {"es_optimizer": True, "optim": "adamw_torch", "learning_rate": 3e-3, "weight_decay": 0.01},
+    "full_sampled": {"sampled": True},
+    "lowrank_sampled": {"es_search_space": "lowrank", "population_size": 6, "sampled": True},
+    "lowrank_sampled_per_call_2": {
+        "es_search_space": "lowrank",
+        "population_size": 6,
+        "sampled": True,
+        "lowrank_members_per_call": 2,
+    },
 }
+SAME = [("full", "resume"), ("lowrank_sampled", "lowrank_sampled_per_call_2")]
+"""Scenarios that must end with the same weights in any environment: a resumed run and an uninterrupted one; a
+sampled population whatever the number of members per generate call."""
 VLLM_SCENARIOS = ("full", "copes")
 
 
@@ -73,8 +85,8 @@ def prepare(models: Path, tokenizer_dir: str) -> None:
 
 
 def run(scenario: str, models: Path, out: Path, resume=None, **extra) -> str:
-    """Train the scenario's 2 greedy steps (resume: stop after step 1, resume from checkpoint-1; or from `resume`,
-    as `train` takes it); the weights' hash. `extra` overrides ESConfig fields."""
+    """Train the scenario's 2 steps, greedy unless it is `sampled` (resume: stop after step 1, resume from
+    checkpoint-1; or from `resume`, as `train` takes it); the weights' hash. `extra` overrides ESConfig fields."""
     from trl_es import ESTrainer
 
     model_dir = str(models / "model")
@@ -82,7 +94,8 @@ def run(scenario: str, models: Path, out: Path, resume=None, **extra) -> str:
     if scenario == "merge":
         overrides["merge_models"] = [str(models / f"tuned-{k}") for k in range(2)]
     folder = out / scenario
-    settings = dict(generation_kwargs={"do_sample": False}, per_device_train_batch_size=8, use_cpu=True, **overrides)
+    greedy = {} if overrides.pop("sampled", False) else {"generation_kwargs": {"do_sample": False}}
+    settings = dict(**greedy, per_device_train_batch_size=8, use_cpu=True, **overrides)
     dataset = Dataset.from_dict({"prompt": PROMPTS})
     if scenario == "resume":
         first = ESTrainer(

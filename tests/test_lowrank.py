@@ -87,8 +87,11 @@ def test_targets_are_the_linear_weights_and_exclude_a_tied_lm_head(model):
 def test_batched_forward_equals_explicitly_perturbed_models_row_by_row(model, rank):
     row_members = torch.tensor([2, 0, -1, 1, 0])
     input_ids = torch.randint(0, model.config.vocab_size, (5, 7), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad(), LowRankPopulation(targets_of(model), SEEDS, SIGNS, SIGMA, rank, row_members):
+    with torch.no_grad(), LowRankPopulation(targets_of(model), SEEDS, SIGNS, SIGMA, rank) as route:
+        route(row_members)
         batched = model(input_ids).logits
+        route([1, 2])  # routed again, as a later turn of an episode evaluates only some rows
+        rerouted = model(input_ids[[0, 4]]).logits
     centre = model(input_ids).logits.detach()
     for row, member in enumerate(row_members.tolist()):
         with torch.no_grad():
@@ -96,6 +99,10 @@ def test_batched_forward_equals_explicitly_perturbed_models_row_by_row(model, ra
         torch.testing.assert_close(batched[row], expected, atol=1e-5, rtol=1e-5)
         if member >= 0:  # the perturbation is not negligible, so the check above has teeth
             assert (batched[row] - centre[row]).abs().max() > 1e-2
+    for k, (row, member) in enumerate([(0, 1), (4, 2)]):
+        with torch.no_grad():
+            expected = explicit_member(model, member, rank)(input_ids[row : row + 1]).logits[0]
+        torch.testing.assert_close(rerouted[k], expected, atol=1e-5, rtol=1e-5)
 
 
 def test_batched_generation_equals_per_member_generation(model):
@@ -103,7 +110,8 @@ def test_batched_generation_equals_per_member_generation(model):
     prompt = torch.randint(0, model.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
     input_ids = prompt.repeat(len(row_members), 1)  # same prompt: rows differ only by their member
     options = {"do_sample": False, "max_new_tokens": 8, "min_new_tokens": 8}
-    with torch.no_grad(), LowRankPopulation(targets_of(model), SEEDS, SIGNS, 0.5, rank, row_members):
+    with torch.no_grad(), LowRankPopulation(targets_of(model), SEEDS, SIGNS, 0.5, rank) as route:
+        route(row_members)
         batched = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), **options)
     options["attention_mask"] = torch.ones_like(prompt)
     for row, member in enumerate(row_members.tolist()):
@@ -118,10 +126,12 @@ def test_weights_and_outputs_bitwise_unchanged_and_hooks_removed_also_on_excepti
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     with torch.no_grad():
         logits = model(input_ids).logits
-        with LowRankPopulation(targets_of(model), SEEDS, SIGNS, SIGMA, 1, torch.tensor([0, 2])):
+        with LowRankPopulation(targets_of(model), SEEDS, SIGNS, SIGMA, 1) as route:
+            route([0, 2])
             assert not torch.equal(model(input_ids).logits, logits)
-        population = LowRankPopulation(targets_of(model), SEEDS, SIGNS, SIGMA, 1, torch.tensor([0, 2]))
-        with pytest.raises(RuntimeError, match="boom"), population:
+        population = LowRankPopulation(targets_of(model), SEEDS, SIGNS, SIGMA, 1)
+        with pytest.raises(RuntimeError, match="boom"), population as route:
+            route([0, 2])
             model(input_ids)
             raise RuntimeError("boom")
         assert torch.equal(model(input_ids).logits, logits)
@@ -132,11 +142,15 @@ def test_weights_and_outputs_bitwise_unchanged_and_hooks_removed_also_on_excepti
 def test_population_rejects_bad_rows(model):
     targets = targets_of(model)
     with pytest.raises(ValueError, match="row_members"):
-        LowRankPopulation(targets, SEEDS, SIGNS, SIGMA, 1, torch.tensor([0, 3]))
+        LowRankPopulation(targets, SEEDS, SIGNS, SIGMA, 1).route(torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="signs"):
-        LowRankPopulation(targets, SEEDS, SIGNS[:2], SIGMA, 1, torch.tensor([0]))
-    population = LowRankPopulation(targets, SEEDS, SIGNS, SIGMA, 1, torch.tensor([0, 1, 2]))
-    with pytest.raises(ValueError, match="rows"), torch.no_grad(), population:
+        LowRankPopulation(targets, SEEDS, SIGNS[:2], SIGMA, 1)
+    with (
+        pytest.raises(ValueError, match="rows"),
+        torch.no_grad(),
+        LowRankPopulation(targets, SEEDS, SIGNS, SIGMA, 1) as route,
+    ):
+        route(torch.tensor([0, 1, 2]))
         model(torch.zeros(2, 3, dtype=torch.long))
     assert all(not m._forward_hooks for m in model.modules())
 

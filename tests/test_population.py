@@ -7,10 +7,10 @@ import torch
 
 from trl_es.distributed import all_reduce_summaries, local_slots
 from trl_es.population import (
+    SummaryLayout,
     population_diversity,
     population_metrics,
     summarize,
-    summary_width,
 )
 
 
@@ -30,7 +30,7 @@ def test_summary_row_and_metrics_by_hand():
     row0 = summarize(2.0, torch.tensor([[1.0, 1.0], [3.0, 3.0]]), [2, 4], [True, False], 3.0, torch.tensor([1.0, 0]))
     # member 1: one reward 0 and one completion without any reward (NaN), lengths 6 and 1, success on prompt 1
     row1 = summarize(0.0, torch.tensor([[0.0, 0.0], [nan, nan]]), [6, 1], [False, False], 1.0, torch.tensor([0, 0.5]))
-    assert row0.numel() == summary_width(1, 2) == 15
+    assert row0.numel() == SummaryLayout(1, 2).width == 15
     assert row0.tolist() == [2.0, 4.0, 2.0, 10.0, 4.0, 2.0, 10.0, 6.0, 2.0, 4.0, 2.0, 1.0, 3.0, 1.0, 0.0]
     metrics = population_metrics(torch.stack([row0, row1]), ["f"], entropy=True)
     # rewards 1, 3, 0 (the NaN excluded): mean 4/3, unbiased std sqrt(((1-4/3)^2 + (3-4/3)^2 + (4/3)^2) / 2)

@@ -160,6 +160,30 @@ def test_lowrank_batched_population_learns_and_moves_only_linear_weights_by_low_
         config(tmp_path, es_search_space="lowrank", lowrank_rank=0)
 
 
+def test_sampled_lowrank_completions_do_not_depend_on_which_members_share_a_call(
+    tmp_path, tiny_model_dir, prompt_dataset
+):
+    """A completion's randomness is a function of (step, member, prompt, generation) only: the weights of a sampled
+    low-rank run are bitwise the same whether 1, 2 or all 4 members share each generate call (which members share a
+    call is what changes with the number of processes; it failed before completions were seeded one by one)."""
+    from transformers import AutoModelForCausalLM
+
+    def weights(per_call):
+        args = config(
+            tmp_path / str(per_call), es_search_space="lowrank", sigma=0.05, lowrank_members_per_call=per_call
+        )
+        trainer = ESTrainer(tiny_model_dir, upper_vocab_share, args=args, train_dataset=prompt_dataset)
+        trainer.train()
+        return {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+
+    reference = weights(None)
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert any(not torch.equal(p, start[name]) for name, p in reference.items())  # it learned something
+    for per_call in (1, 2):
+        other = weights(per_call)
+        assert all(torch.equal(other[name], p) for name, p in reference.items()), per_call
+
+
 @pytest.fixture(scope="module")
 def merge_parts(tmp_path_factory, tiny_model_dir):
     """Two fine-tuned versions of the tiny model: one trained by ES toward upper_vocab_share, one random drift."""

@@ -33,7 +33,7 @@ def upper_vocab_share(completion_ids, **kwargs):
 def greedy_reward(trainer, dataset):
     """Mean reward of the unperturbed model θ (not of the perturbed members) on `dataset`, greedy."""
     prompts = list(dataset["prompt"])
-    rollout = trainer.rollout.generate(prompts, trainer.rollout.tokenize(prompts), num_generations=1, seed=0)
+    rollout = trainer.rollout.generate(prompts, trainer.rollout.tokenize(prompts), 1, [0] * len(prompts))
     return sum(upper_vocab_share(rollout.completion_ids)) / len(prompts)
 
 

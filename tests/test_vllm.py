@@ -163,7 +163,7 @@ def test_missing_vllm_names_the_install_command(tmp_path, tiny_model_dir, prompt
     [
         ({"vllm_mode": "remote"}, "vllm_mode"),
         ({"vllm_enable_sleep_mode": True}, "backward pass"),
-        ({"es_search_space": "lowrank"}, "full-rank"),
+        ({"es_search_space": "lowrank"}, "forward hooks"),
         ({"log_completion_entropy": True}, "next-token distribution"),
         ({"vllm_gpu_memory_utilization": 1.5}, "vllm_gpu_memory_utilization"),
     ],

@@ -33,10 +33,9 @@ def reward(completions, **kwargs):
 
 
 def fingerprint(model):
-    from trl_es.es import weights_fingerprint
+    from trl_es.es import weights_hash
 
-    params = dict(model.named_parameters())
-    return weights_fingerprint(params, list(params))
+    return weights_hash(dict(model.named_parameters()))
 
 
 def run(out, model_dir, name, reward_funcs=reward, resume=None, **overrides):
@@ -124,8 +123,8 @@ def colocate(out: Path) -> dict:
                 "norm_equal": torch.equal(
                     inside.model.layers[1].input_layernorm.weight, vl.model.model.layers[1].input_layernorm.weight
                 ),
-                "completions_equal": rollout.generate(PROMPTS, prompt_ids, 2, 0).completion_ids
-                == reference.generate(PROMPTS, prompt_ids, 2, 0).completion_ids,
+                "completions_equal": rollout.generate(PROMPTS, prompt_ids, 2, [0] * 2 * len(PROMPTS)).completion_ids
+                == reference.generate(PROMPTS, prompt_ids, 2, [0] * 2 * len(PROMPTS)).completion_ids,
                 "moved": greedy_logprobs(vl, prompt_ids) != before,
             }
         )

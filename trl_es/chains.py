@@ -22,19 +22,53 @@ import hashlib
 import json
 import os
 import warnings
+from typing import TypedDict
 
 import torch
 
 from .atomic import atomic_write_text
 from .compat import import_extra
-from .es.full import FullSpace
-from .es.lowrank import LowRankSpace
-from .es.weights import LocalWeights
-from .sparse import weights_hash
+from .es.space import SEARCH_SPACES, optimizer_header, rebuild_optimizer, step_optimizer
+from .es.weights import LocalWeights, weights_hash
 
 
 FORMAT = "trl-es-chain/1"
 FILE = "es_chain.json"
+
+
+class Base(TypedDict):
+    """The weights training started from: where they came from, and their SHA-256 (`weights_hash`)."""
+
+    model: str  # the model id or path training was given
+    revision: str | None
+    sha256: str
+    es_adapter_only: bool  # trained the adapter of a PeftModel only
+    peft_config: dict | None  # a new adapter ESTrainer added (peft_config), rebuilt seeded at replay
+
+
+class Header(TypedDict):
+    """A chain's header: everything replay needs beyond the base model and the steps' updates."""
+
+    base: Base
+    dtype: str  # of the ES parameters, e.g. "float32"
+    parameters: list[str]  # the ES parameters' names, in order
+    noise: dict  # {"seed", "table_size"}: the noise table's
+    space: dict  # the search space's `chain_header()` (`kind` = its registered name), plus "optimizer" with one
+    settings: dict  # `CHAIN_SETTINGS` of ESConfig, for the reader (replay needs none of them)
+
+
+class StepRecord(TypedDict):
+    """One ES step: its global step (0-based) and the search space's update record (`tell`'s; None: skipped), with
+    "learning_rates" (one per param group) when an optimizer applied it."""
+
+    step: int
+    update: dict | None
+
+
+CHAIN_SETTINGS = ("population_size", "sigma", "learning_rate", "lr_scheduler_type", "weight_decay", "antithetic",
+                  "fitness_shaping", "es_baseline", "es_search_space", "num_generations",
+                  "per_device_train_batch_size")  # fmt: skip
+"""The ESConfig fields a chain records for the reader (replay needs only the updates)."""
 
 
 def _checksum(content: dict) -> str:
@@ -42,20 +76,50 @@ def _checksum(content: dict) -> str:
 
 
 def _space_class(kind: str):
-    if kind == "merge":
-        from .es.merge import MergeSpace
+    """The registered search space of a chain's `kind` (chains of CoPES before it had its own name: "full")."""
+    if kind not in SEARCH_SPACES:
+        raise ValueError(
+            f"this trl-es cannot replay a chain of search space {kind!r} (it knows {sorted(SEARCH_SPACES)})"
+        )
+    return SEARCH_SPACES[kind]
 
-        return MergeSpace
-    spaces = {"full": FullSpace, "lowrank": LowRankSpace}
-    if kind not in spaces:
-        raise ValueError(f"this trl-es cannot replay a chain of search space {kind!r} (it knows full, lowrank, merge)")
-    return spaces[kind]
+
+def new_chain(args, model, params, space, optimizer, model_source: str, new_adapter: bool) -> Chain:
+    """The seed chain of a run starting from `model`'s weights now (its first step): `params` are the ES
+    parameters, `space` the search space, `optimizer` Trainer's (recorded with `es_optimizer` only)."""
+    peft_config = getattr(model, "peft_config", {}).get("default") if new_adapter else None
+    base = Base(
+        model=model_source,
+        revision=(args.model_init_kwargs or {}).get("revision"),
+        sha256=weights_hash(dict(model.named_parameters())),
+        es_adapter_only=args.es_adapter_only,
+        peft_config=_jsonable(peft_config.to_dict()) if peft_config is not None else None,
+    )
+    optimizer = {"optimizer": optimizer_header(optimizer, params)} if args.es_optimizer else {}
+    return Chain(Header(
+        base=base,
+        dtype=str(next(iter(params.values())).dtype).removeprefix("torch."),
+        parameters=list(params),
+        noise={"seed": args.seed, "table_size": args.noise_table_size},
+        space={**space.chain_header(), **optimizer},
+        settings={name: getattr(args, name) for name in CHAIN_SETTINGS},
+    ))  # fmt: skip
+
+
+def _jsonable(value):
+    """`value` with sets as sorted lists, for JSON."""
+    if isinstance(value, dict):
+        return {key: _jsonable(item) for key, item in value.items()}
+    if isinstance(value, (set, frozenset, list, tuple)):
+        items = [_jsonable(item) for item in value]
+        return sorted(items, key=str) if isinstance(value, (set, frozenset)) else items
+    return value
 
 
 class Chain:
-    """A run's header (`base`, `noise`, `parameters`, `space`, …) and, per ES step, its update (None: skipped)."""
+    """A run's `Header` and, per ES step, its `StepRecord`."""
 
-    def __init__(self, header: dict, steps: list[dict] | None = None):
+    def __init__(self, header: Header, steps: list[StepRecord] | None = None):
         self.header, self.steps = header, steps or []
 
     def record(self, step: int, update: dict | None) -> None:
@@ -90,10 +154,13 @@ class Chain:
         if missing:
             raise ValueError(f"the model lacks the chain's parameters {missing[:3]}")
         params = {name: named[name] for name in self.header["parameters"]}
-        noise = self.header["noise"]
+        noise, space = self.header["noise"], self.header["space"]
         weights = LocalWeights(params, noise["seed"], noise["table_size"], storage_device="cpu")
         weights.capture()
-        replay = _space_class(self.header["space"]["kind"]).replayer(self.header["space"], weights)
+        from .loading import load_starting_model
+
+        replay = _space_class(space["kind"]).replayer(space, weights, load_starting_model)
+        optimizer = rebuild_optimizer(space["optimizer"], params) if space.get("optimizer") else None
         with torch.no_grad():
             for entry in self.steps:
                 if steps is not None and entry["step"] >= steps:
@@ -101,6 +168,8 @@ class Chain:
                 if entry["update"] is not None:
                     weights.capture()
                     replay(entry["update"])
+                    if optimizer is not None:  # the optimizer's step, as training took it
+                        step_optimizer(optimizer, params, entry["update"]["learning_rates"])
         weights.release()
         return model
 

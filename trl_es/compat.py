@@ -15,6 +15,10 @@ test suite runs on both ends of it (tests/test_compat.py, .ci/matrix).
   only, which the gguf wheel lacks, so transformers 5.16 reads gguf's version as "N/A" and cannot load a GGUF file
   (SmolLM2); it adds the mapping to transformers' `import_utils.PACKAGE_DISTRIBUTION_MAPPING`. Python ≥ 3.11 and
   newer transformers need nothing.
+- `sampling_warpers(model, config)`: transformers' sampling warpers for `config` (temperature, top-k, top-p, min-p,
+  typical-p, ε/η cutoffs, top-h, in transformers' order), from `GenerationMixin._get_logits_processor` (private, same
+  signature in 5.16.1 and 5.19.0) given a config holding only the sampling fields; trl-es samples each row with its
+  own generator after them (`rollout.transformers_generate.SeededSampler`).
 - `TRAINER_HOOKS`: the Trainer methods ESTrainer overrides or calls, which transformers may rename in any release.
   `check_trainer_hooks()` verifies them (names and parameters) when ESTrainer is imported, so an unsupported
   transformers fails at once with the supported range instead of training wrongly.
@@ -27,7 +31,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
-from transformers import Trainer
+from transformers import GenerationConfig, Trainer
 
 
 try:  # TRL >= 1.0
@@ -61,6 +65,17 @@ def check_trainer_hooks(trainer_class: type = Trainer) -> None:
                 f"trl-es needs transformers' Trainer.{name}({', '.join(parameters)}), and this transformers has "
                 f"{'none' if found is None else found}: install {SUPPORTED}"
             )
+
+
+SAMPLING_FIELDS = ("temperature", "top_h", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff")
+"""GenerationConfig's fields that only shape sampling (transformers' "warpers")."""
+
+
+def sampling_warpers(model, config: GenerationConfig):
+    """transformers' own list of sampling warpers for `config`'s sampling fields, in the order `generate` applies
+    them (see the module docstring)."""
+    only_sampling = GenerationConfig(do_sample=True, **{name: getattr(config, name, None) for name in SAMPLING_FIELDS})
+    return model._get_logits_processor(generation_config=only_sampling, device=model.device)
 
 
 def let_transformers_see_gguf() -> None:

@@ -12,14 +12,13 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from .es import SEARCH_SPACES
 from .es.fitness import SHAPINGS
 from .es.noise import CHUNK
-from .es.subspaces import PARTITIONS
 from .grpo_fields import check_grpo_only_fields, grpo_only_fields_class
 
 
 BASELINES = ("none", "center")
-SEARCH_SPACES = ("full", "copes", "lowrank", "merge")
 VLLM_MODES = ("colocate", "server")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
@@ -449,32 +448,9 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             refuse("sparse_delta_tau", "the magnitude threshold must be ≥ 0")
 
     def _check_search_space(self):
-        refuse, space = self._refuse, self.es_search_space
-        if space not in SEARCH_SPACES:
-            refuse("es_search_space", f"choose one of {SEARCH_SPACES}")
-        if space == "copes":
-            if self.copes_partition not in PARTITIONS:
-                refuse("copes_partition", f"choose one of {PARTITIONS}")
-            directions = self.population_size // 2 if self.antithetic else self.population_size
-            if not 1 <= self.copes_groups <= directions:
-                refuse("copes_groups", f"every group needs a member: use 1..{directions} groups for this population")
-        if space == "lowrank":
-            if self.lowrank_rank < 1:
-                refuse("lowrank_rank", "the rank must be ≥ 1")
-            if self.lowrank_members_per_call is not None and self.lowrank_members_per_call < 1:
-                refuse("lowrank_members_per_call", "each call needs at least one member")
-            if self.weight_decay and not self.es_optimizer:
-                refuse("weight_decay", "the plain low-rank update moves θ only along the members' low-rank directions "
-                       "(with es_optimizer the optimizer applies weight_decay)")  # fmt: skip
-        if self.es_optimizer and space == "merge":
-            refuse("es_optimizer", "Hyper-ES moves θ by CMA-ES, not by a gradient estimate")
-        if space == "merge":
-            if not self.merge_models:
-                refuse("merge_models", "Hyper-ES merges task vectors: give at least one fine-tuned model")
-            if not 0 < self.merge_density <= 1:
-                refuse("merge_density", "DARE keeps a share in (0, 1] of each task vector")
-            if not self.merge_sigma > 0:
-                refuse("merge_sigma", "CMA-ES needs a step size > 0")
+        if self.es_search_space not in SEARCH_SPACES:
+            self._refuse("es_search_space", f"choose one of {tuple(SEARCH_SPACES)}")
+        SEARCH_SPACES[self.es_search_space].check_config(self, self._refuse)  # each space's own refusals
 
     def _check_vllm(self):
         refuse = self._refuse
@@ -485,12 +461,6 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
                 "vllm_enable_sleep_mode",
                 "sleep mode frees vLLM's memory for a backward pass and an optimizer step; ES has neither and "
                 "generates all the time",
-            )
-        if self.es_search_space in ("lowrank", "merge"):
-            refuse(
-                "es_search_space",
-                "vLLM takes members as seeded full-rank perturbations: use 'full' or 'copes' with use_vllm, or "
-                "use_vllm=False",
             )
         if self.log_completion_entropy:
             refuse("log_completion_entropy", "vLLM does not return the full next-token distribution")

@@ -19,11 +19,12 @@ from transformers import PrinterCallback, TrainerCallback
 
 def held_out_accuracy(trainer, dataset) -> float:
     """Share of held-out prompts whose greedy completion (current weights) earns the correctness reward."""
+    from .es.seeds import completion_seeds
     from .tasks import first_integer_reward
 
     rollout = trainer.rollout
     prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
-    result = rollout.generate(prompts, rollout.tokenize(prompts), num_generations=1, seed=0)
+    result = rollout.generate(prompts, rollout.tokenize(prompts), 1, completion_seeds(0, len(prompts), 1))
     rewards = first_integer_reward(result.completions, answers)
     return sum(r >= 1.0 for r in rewards) / len(rewards)
 

@@ -26,7 +26,7 @@ import torch
 
 from .atomic import atomic_write_text
 from .compat import import_extra
-from .es.seeds import eval_seed
+from .es.seeds import completion_seeds, eval_seed
 from .metrics import maj_at_k, pass_at_k
 from .tasks import SUCCESS_THRESHOLD, TASKS, Task, get_task
 from .tasks.data import completion_text
@@ -66,7 +66,9 @@ def evaluate_batch(
     `success_threshold`. Returns the batch's record: the problems' summed Pass@K (and Maj@K over the answers
     `extract` finds), the sums of rewards, tokens and token entropies, and each completion's verdict and answer."""
     prompts = [row["prompt"] for row in rows]
-    result = rollout.generate(prompts, rollout.tokenize(prompts), n, seed, record_entropy)
+    result = rollout.generate(
+        prompts, rollout.tokenize(prompts), n, completion_seeds(seed, len(rows), n), record_entropy
+    )
     rewards = torch.as_tensor(rewards_of(rows, result), dtype=torch.float64)
     correct = (rewards >= success_threshold).tolist()
     answers = [extract(completion_text(c)) for c in result.completions] if extract else None

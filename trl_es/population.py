@@ -8,18 +8,41 @@ rows with the same formulas whatever the number of processes, so 1 process and K
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from .metrics import js_diversity
 
 
-def summary_width(n_functions: int, n_prompts: int) -> int:
-    """Row width: member reward R; (nansum, count, sum of squares) of the combined reward and of each reward
-    function; the completion lengths' sum, min, max, the number of completions and of truncated ones; the sum of
-    their token entropies (0 when not recorded); for each of the step's prompts, the share of its completions that
-    succeeded (combined reward ≥ `success_threshold`)."""
-    return 1 + 3 * (n_functions + 1) + 6 + n_prompts
+@dataclass(frozen=True)
+class SummaryLayout:
+    """The columns of a slot's summary row, for `n_functions` reward functions and `n_prompts` prompts:
+
+    `reward` the member reward R; `moments(k)` the (nansum, count, sum of squares) of the combined reward (k = 0)
+    or of reward function k − 1; `lengths` the completion lengths' (sum, min, max), the number of completions and
+    of truncated ones, the sum of their token entropies (0 when not recorded); `success` per prompt, the share of
+    its completions that succeeded (combined reward ≥ `success_threshold`)."""
+
+    n_functions: int
+    n_prompts: int
+    reward = 0
+
+    def moments(self, k: int) -> slice:
+        return slice(1 + 3 * k, 4 + 3 * k)
+
+    @property
+    def lengths(self) -> slice:
+        start = 1 + 3 * (self.n_functions + 1)
+        return slice(start, start + 6)
+
+    @property
+    def success(self) -> slice:
+        return slice(self.lengths.stop, self.width)
+
+    @property
+    def width(self) -> int:
+        return self.lengths.stop + self.n_prompts
 
 
 def summarize(
@@ -30,8 +53,8 @@ def summarize(
     entropy_sum: float,
     success: torch.Tensor,
 ) -> torch.Tensor:
-    """One slot's row. `rewards` is (completions, 1 + F): the combined reward, then each function's (NaN = none);
-    `success` is (prompts,), each prompt's share of successful completions."""
+    """One slot's row (`SummaryLayout`). `rewards` is (completions, 1 + F): the combined reward, then each
+    function's (NaN = none); `success` is (prompts,), each prompt's share of successful completions."""
     rewards = rewards.double()
     valid = ~torch.isnan(rewards)
     zeroed = rewards.nan_to_num(0.0)
@@ -49,10 +72,11 @@ def member_rewards(summaries: torch.Tensor, weights: torch.Tensor, aggregation: 
     weighted sum of the reward functions (then fitness shaping normalizes across members). 'normalize_then_sum':
     each function's mean over the member's completions, z-scored across the members with one, then summed with
     `weights` (a function without spread counts 0)."""
+    layout = SummaryLayout(weights.numel(), 0)
     if aggregation == "sum_then_normalize":
-        return summaries[:, 0]
-    n_functions = weights.numel()
-    sums, counts = summaries[:, 4 : 4 + 3 * n_functions : 3], summaries[:, 5 : 5 + 3 * n_functions : 3]
+        return summaries[:, layout.reward]
+    sums = torch.stack([summaries[:, layout.moments(k + 1)][:, 0] for k in range(weights.numel())], dim=1)
+    counts = torch.stack([summaries[:, layout.moments(k + 1)][:, 1] for k in range(weights.numel())], dim=1)
     means = sums / counts  # NaN where a member has no reward from that function
     normalized = (means - means.nanmean(0)) / _nanstd(means).clamp_min(1e-8)
     total = (normalized.nan_to_num(0.0) * weights.double()).sum(1)
@@ -83,8 +107,8 @@ def population_metrics(
     and the spread of the member rewards R_i (es/population_reward_min|max|std); with `entropy`, also the mean token
     entropy of their completions (`completions/mean_token_entropy`, nats); with `diversity_prompts` (the step's
     number of prompts), their JS diversity (`es/population_diversity`)."""
-    metrics = {}
-    rewards = summaries[:, 0][~torch.isnan(summaries[:, 0])]
+    metrics, layout = {}, SummaryLayout(len(function_names), 0)
+    rewards = summaries[:, layout.reward][~torch.isnan(summaries[:, layout.reward])]
     if rewards.numel():
         metrics["es/population_reward_min"] = rewards.min().item()
         metrics["es/population_reward_max"] = rewards.max().item()
@@ -92,25 +116,26 @@ def population_metrics(
     if diversity_prompts is not None:
         metrics["es/population_diversity"] = population_diversity(summaries, diversity_prompts)
     for k, key in enumerate([None, *function_names]):
-        total, count, squares = (float(summaries[:, 1 + 3 * k + j].sum()) for j in range(3))
+        columns = layout.moments(k)
+        total, count, squares = (float(summaries[:, c].sum()) for c in range(columns.start, columns.stop))
         mean, std = _mean_std(total, count, squares)
         prefix = "reward" if key is None else f"rewards/{key}/"
         metrics[prefix + ("" if key is None else "mean")] = mean
         metrics[prefix + ("_std" if key is None else "std")] = std
-    start = 1 + 3 * (len(function_names) + 1)
-    length_sum, n_completions = float(summaries[:, start].sum()), float(summaries[:, start + 3].sum())
+    lengths = summaries[:, layout.lengths]
+    length_sum, n_completions = float(lengths[:, 0].sum()), float(lengths[:, 3].sum())
     metrics["completions/mean_length"] = length_sum / n_completions
-    metrics["completions/min_length"] = float(summaries[:, start + 1].min())
-    metrics["completions/max_length"] = float(summaries[:, start + 2].max())
-    metrics["completions/clipped_ratio"] = float(summaries[:, start + 4].sum()) / n_completions
+    metrics["completions/min_length"] = float(lengths[:, 1].min())
+    metrics["completions/max_length"] = float(lengths[:, 2].max())
+    metrics["completions/clipped_ratio"] = float(lengths[:, 4].sum()) / n_completions
     if entropy:
-        metrics["completions/mean_token_entropy"] = float(summaries[:, start + 5].sum()) / max(length_sum, 1.0)
+        metrics["completions/mean_token_entropy"] = float(lengths[:, 5].sum()) / max(length_sum, 1.0)
     return metrics
 
 
 def population_diversity(summaries: torch.Tensor, n_prompts: int) -> float:
     """Verifier-projected JS diversity (`trl_es.metrics.js_diversity`) of the members' per-prompt success."""
-    return js_diversity(summaries[:, summaries.shape[1] - n_prompts :])
+    return js_diversity(summaries[:, summaries.shape[1] - n_prompts :])  # the `success` columns, last
 
 
 class DistanceFromStart:

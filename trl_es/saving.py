@@ -28,7 +28,6 @@ from . import sparse
 from .atomic import atomic_directory, publish_directory
 from .chains import FILE as CHAIN_FILE
 from .chains import Chain, load_chain
-from .es.space import optimizer_header
 
 
 STAGING = ".staging"
@@ -129,27 +128,6 @@ class SavingMixin:
         with open(os.path.join(args.output_dir, "README.md"), "a", encoding="utf-8") as card:
             card.write(f"\n## Evolution Strategies settings\n\n| setting | value |\n|---|---|\n{rows}\n")
 
-    def start_chain(self) -> None:
-        """A new seed chain from the weights held now (at the first step of a run that did not resume one)."""
-        args, named = self.args, dict(self.model.named_parameters())
-        optimizer = {"optimizer": optimizer_header(self.optimizer, self.es_params)} if args.es_optimizer else {}
-        peft_config = getattr(self.model, "peft_config", {}).get("default") if self._new_adapter else None
-        base = {
-            "model": self._model_source,
-            "revision": (args.model_init_kwargs or {}).get("revision"),
-            "sha256": sparse.weights_hash(named),
-            "es_adapter_only": args.es_adapter_only,
-            "peft_config": _jsonable(peft_config.to_dict()) if peft_config is not None else None,
-        }
-        self.chain = Chain({
-            "base": base,
-            "dtype": str(next(iter(self.es_params.values())).dtype).removeprefix("torch."),
-            "parameters": list(self.es_params),
-            "noise": {"seed": args.seed, "table_size": args.noise_table_size},
-            "space": {**self.space.chain_header(), **optimizer},
-            "settings": {name: getattr(args, name) for name in CHAIN_SETTINGS},
-        })  # fmt: skip
-
     def push_to_hub(self, commit_message="End of training", blocking=True, token=None, revision=None, **kwargs):
         """Trainer's `push_to_hub`; with `chain_only=True`, only `es_chain.json` and a model card naming the base
         and the two-line replay go to `hub_model_id` (or `<output_dir name>`): a few kilobytes instead of the
@@ -173,22 +151,6 @@ class SavingMixin:
                 card.write(chain_card(self.chain, repo_id, os.path.getsize(os.path.join(folder, CHAIN_FILE))))
             return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
                                      revision=revision or self.args.hub_revision)  # fmt: skip
-
-
-CHAIN_SETTINGS = ("population_size", "sigma", "learning_rate", "lr_scheduler_type", "weight_decay", "antithetic",
-                  "fitness_shaping", "es_baseline", "es_search_space", "num_generations",
-                  "per_device_train_batch_size")  # fmt: skip
-"""The ESConfig fields a chain records for the reader (replay needs only the updates)."""
-
-
-def _jsonable(value):
-    """`value` with sets as sorted lists, for JSON."""
-    if isinstance(value, dict):
-        return {key: _jsonable(item) for key, item in value.items()}
-    if isinstance(value, (set, frozenset, list, tuple)):
-        items = [_jsonable(item) for item in value]
-        return sorted(items, key=str) if isinstance(value, (set, frozenset)) else items
-    return value
 
 
 def chain_card(chain: Chain, repo_id: str, size: int) -> str:

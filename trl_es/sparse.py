@@ -17,7 +17,6 @@ Tensors are dicts name → tensor, e.g. `dict(model.named_parameters())` (tied w
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -27,6 +26,8 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
+
+from .es.weights import weights_hash
 
 
 FORMAT = "trl-es-sparse-delta/1"
@@ -116,16 +117,6 @@ def thresholded(
 ) -> dict[str, torch.Tensor]:
     """θ_tuned where the mask is set, θ_base elsewhere (each tensor in the base's dtype)."""
     return {name: torch.where(masks[name], tuned[name].detach().to(t.dtype), t.detach()) for name, t in base.items()}
-
-
-def weights_hash(weights: Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 over the names, dtypes, shapes and bytes of `weights`, in name order."""
-    digest = hashlib.sha256()
-    for name in sorted(weights):
-        tensor = weights[name].detach().contiguous().cpu()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
 
 
 def save_delta(

@@ -22,14 +22,15 @@ from torch.utils.data import DataLoader, SequentialSampler
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl.trainer.utils import get_config_model_id, identity
 
+from .chains import new_chain
 from .compat import BaseTrainer, check_trainer_hooks
 from .config import ESConfig
 from .distributed import Distribution
-from .es import FullSpace, SearchSpace, select_parameters, shape_fitness
-from .es.lowrank import LowRankSpace
-from .es.seeds import sampling_seed
-from .loading import check_eval_dataset, check_model_type, check_prompt_dataset, prepare_model
-from .population import DistanceFromStart, member_rewards, population_metrics, summarize, summary_width
+from .es import SearchSpace, search_space, select_parameters, shape_fitness
+from .es.seeds import completion_seeds, sampling_seed
+from .es.space import step_optimizer
+from .loading import check_eval_dataset, check_model_type, check_prompt_dataset, load_starting_model, prepare_model
+from .population import DistanceFromStart, SummaryLayout, member_rewards, population_metrics, summarize
 from .reporting import ReportingMixin
 from .rewards import RewardFunctions
 from .rollout import make_backend
@@ -158,20 +159,17 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         self._last_completions = self._completions_step = None
 
     def _make_search_space(self) -> SearchSpace:
-        """The search space `es_search_space` names (`trl_es.es.space`), built from ESConfig."""
-        kind, space = self.args.es_search_space, FullSpace
+        """The search space `es_search_space` names (`trl_es.es.space.SEARCH_SPACES`), built from ESConfig."""
         if self.args.es_optimizer and self.distribution.zero_stage == 3:
             raise ValueError("es_optimizer with ZeRO-3: the optimizer would step on partitioned θ; use ZeRO-2 or none")
-        if kind == "lowrank":
-            space = LowRankSpace
-        if kind == "merge":
-            if self.distribution.zero_stage == 3:
-                raise ValueError("es_search_space='merge' holds the base and task vectors whole: use ZeRO-2 or none")
-            try:
-                from .es.merge import MergeSpace as space
-            except ImportError as error:
-                raise ImportError("es_search_space='merge' needs cma and peft: pip install 'trl-es[merge]'") from error
-        return space.from_config(self.args, self.model, self.weights)
+        space = search_space(self.args.es_search_space)
+        space.check_setup(self.args, self.distribution.zero_stage)
+        if not isinstance(self.weights, space.backend):
+            raise ValueError(
+                f"es_search_space={space.name!r} needs a {space.backend.__name__} weights backend, and this run's is "
+                f"a {type(self.weights).__name__}"
+            )
+        return space.from_config(self.args, self.model, self.weights, load_starting_model)
 
     # GRPOTrainer's public attributes, with the same meaning
     reward_funcs = property(lambda self: self.reward_functions.funcs, doc="The reward functions and models.")
@@ -188,8 +186,9 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
             self._signature_columns = ["prompt"]
 
     def create_optimizer(self, model=None):
-        """With `es_optimizer`, Trainer's optimizer (`optim`, …), which Trainer steps after each ES step on the
-        gradient estimate the search space wrote. Otherwise a placeholder: the plain update keeps no optimizer
+        """With `es_optimizer`, Trainer's optimizer (`optim`, …), which the ES step itself steps on the gradient
+        estimate the search space wrote (`step_optimizer`; Trainer's own `optimizer.step()` then finds no gradient
+        and does nothing). Otherwise a placeholder: the plain update keeps no optimizer
         state; this SGD over one scalar that never receives a gradient (so `step()` does nothing) lets Trainer's
         scheduler drive α_t, saved and resumed with checkpoints."""
         if self.args.es_optimizer:
@@ -275,8 +274,10 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         args = self.args
         with self._full_parameters():
             self.weights.start()
-            if self.chain is None:
-                self.start_chain()
+            if self.chain is None:  # a new run's chain, from the weights held now
+                self.chain = new_chain(
+                    args, self.model, self.es_params, self.space, self.optimizer, self._model_source, self._new_adapter
+                )
             if self._distance is None:
                 self._distance = DistanceFromStart(self.es_params)
             members = self.space.ask(step)
@@ -289,9 +290,10 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
                 timer = time.perf_counter()
                 weights, aggregation = self.reward_functions.weights, args.multi_objective_aggregation
                 rewards = member_rewards(summaries[len(slots) - len(members) :], weights, aggregation)
-                center = summaries[0, 0].item() if len(slots) > len(members) else None
+                center = summaries[0, SummaryLayout.reward].item() if len(slots) > len(members) else None
                 baseline = center if center is not None and center == center else 0.0  # a NaN centre: no baseline
                 fitness = shape_fitness(rewards - baseline, args.fitness_shaping)
+                record = None
                 if fitness is None:
                     self.weights.restore()
                     outcome = {"es/update_norm": 0.0, "es/skipped_update": 1.0}
@@ -301,10 +303,12 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
                         stacklevel=2,
                     )
                 else:
-                    outcome = {**self.space.tell(members, rewards, fitness, learning_rate), "es/skipped_update": 0.0}
-                record = None if fitness is None else self.space.last_update
-                if record is not None and args.es_optimizer:  # Trainer's optimizer steps next, at these rates
-                    record = {**record, "learning_rates": [group["lr"] for group in self.optimizer.param_groups]}
+                    outcome, record = self.space.tell(members, rewards, fitness, learning_rate)
+                    if args.es_optimizer:  # the optimizer applies the gradient estimate `tell` wrote, here
+                        rates = [group["lr"] for group in self.optimizer.param_groups]
+                        step_optimizer(self.optimizer, self.es_params, rates)
+                        record = {**record, "learning_rates": rates}
+                    outcome["es/skipped_update"] = 0.0
                 self.chain.record(step, record)
                 times["update"] = time.perf_counter() - timer
             except BaseException:
@@ -319,21 +323,22 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         args, n = self.args, self.args.num_generations
         prompts = [row["prompt"] for row in rows]
         prompt_ids = self.rollout.tokenize(prompts)
-        summaries = torch.zeros(len(slots), summary_width(len(self.reward_functions.names), len(rows))).double()
+        layout = SummaryLayout(len(self.reward_functions.names), len(rows))
+        summaries = torch.zeros(len(slots), layout.width, dtype=torch.float64)
         first_member, error = sum(slot is None for slot in slots), None
         try:
             mine = self.distribution.slots(len(slots))
             per_call = self.space.members_per_call(len(mine))
             for start in range(0, len(mine), per_call):
                 part = mine[start : start + per_call]
-                key = "center" if part[0] < first_member else part[0] - first_member  # the call's first slot
-                seed = sampling_seed(args.seed, step, "common" if args.common_generation_seed else key)
+                seeds = [seed for s in part for seed in self._completion_seeds(step, s - first_member, len(rows))]
                 timer = time.perf_counter()
-                with self.space.evaluating([slots[s] for s in part], len(rows) * n):
+                with self.space.evaluating([slots[s] for s in part]) as route:
                     times["noise"] += time.perf_counter() - timer
                     timer = time.perf_counter()
+                    route([j for j in range(len(part)) for _ in range(len(rows) * n)])
                     batch = [prompts * len(part), prompt_ids * len(part)]
-                    rollout = self.rollout.generate(*batch, n, seed, args.log_completion_entropy)
+                    rollout = self.rollout.generate(*batch, n, seeds, args.log_completion_entropy)
                 self._metrics["es/time/generate"].extend([(time.perf_counter() - timer) / len(part)] * len(part))
                 for j, s in enumerate(part):
                     member_rollout = rollout.select(j * len(rows) * n, (j + 1) * len(rows) * n)
@@ -344,6 +349,12 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         summaries = self.distribution.exchange(summaries, error, step)
         times["communication"] = time.perf_counter() - timer
         return summaries
+
+    def _completion_seeds(self, step: int, member: int, n_prompts: int) -> list[int]:
+        """The sampling seeds of member `member`'s completions at `step` (−1: the centre), one per (prompt,
+        generation): with `common_generation_seed` every member's are the same (common random numbers)."""
+        key = "common" if self.args.common_generation_seed else "center" if member < 0 else member
+        return completion_seeds(sampling_seed(self.args.seed, step, key), n_prompts, self.args.num_generations)
 
     def _score(self, s: int, is_center: bool, step: int, rows: list[dict], rollout, summaries: torch.Tensor) -> None:
         """Score slot `s`'s completions and write its summary row: the member reward R (mean completion reward) and

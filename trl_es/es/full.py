@@ -14,13 +14,16 @@ import contextlib
 
 import torch
 
-from .space import Direction, SearchSpace, directions, rebuild_optimizer, step_optimizer
-from .subspaces import member_groups, partition_parameters
+from .space import Direction, SearchSpace, directions, one_member, register
+from .subspaces import PARTITIONS, member_groups, partition_parameters
 from .update import update_coefficients
 
 
+@register
 class FullSpace(SearchSpace):
     """Gaussian members written into a weights backend (`trl_es.es.weights`): the trainer's tensors or vLLM's."""
+
+    name = "full"
 
     def __init__(
         self,
@@ -38,14 +41,15 @@ class FullSpace(SearchSpace):
         self.gradient = gradient
 
     @classmethod
-    def from_config(cls, args, model, weights) -> FullSpace:
-        """From ESConfig: full ES, or CoPES with `copes_groups` groups by `copes_partition` (`es_search_space`)."""
-        groups = None
-        if args.es_search_space == "copes":
-            groups = partition_parameters(list(weights.params), args.copes_groups, args.copes_partition, args.seed)
-        common = (args.seed, args.population_size, args.sigma, args.antithetic)
+    def from_config(cls, args, model, weights, load_model=None) -> FullSpace:
         decay = 0.0 if args.es_optimizer else args.weight_decay  # the optimizer decays the weights itself
-        return cls(weights, *common, weight_decay=decay, groups=groups, gradient=args.es_optimizer)
+        common = (args.seed, args.population_size, args.sigma, args.antithetic, decay)
+        return cls(weights, *common, groups=cls._groups(args, weights), gradient=args.es_optimizer)
+
+    @classmethod
+    def _groups(cls, args, weights) -> list[list[str]] | None:
+        """The parameter groups members perturb one at a time (CoPES); None: every member perturbs all of θ."""
+        return None
 
     def ask(self, step: int) -> list[Direction]:
         members = directions(self.seed, step, self.population_size, self.antithetic)
@@ -54,17 +58,21 @@ class FullSpace(SearchSpace):
         groups = member_groups(self.population_size, len(self.groups), self.antithetic)
         return [Direction(m.seed, m.sign, g) for m, g in zip(members, groups, strict=True)]
 
+    @property
+    def member_scale(self) -> float:
+        """σ of a member's noise: σ, or σ·√K over K CoPES groups."""
+        return self.sigma if self.groups is None else self.sigma * len(self.groups) ** 0.5
+
     @contextlib.contextmanager
-    def evaluating(self, members: list[Direction | None], rows_per_member: int):
+    def evaluating(self, members: list[Direction | None]):
+        route = one_member(members)
         (member,) = members
         if member is None:
             self.weights.center()
-        elif member.group is None:
-            self.weights.member(member.seed, member.sign * self.sigma)
         else:
-            scale = self.sigma * len(self.groups) ** 0.5
-            self.weights.member(member.seed, member.sign * scale, self.groups[member.group])
-        yield
+            names = None if member.group is None else self.groups[member.group]
+            self.weights.member(member.seed, member.sign * self.member_scale, names)
+        yield route
 
     def tell(self, members: list[Direction], rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float):
         decay, valid = learning_rate * self.weight_decay, ~torch.isnan(rewards)
@@ -72,38 +80,54 @@ class FullSpace(SearchSpace):
         parts = [(None, None, list(range(len(members))))] if self.groups is None else [
             (g, names, [i for i, m in enumerate(members) if m.group == g]) for g, names in enumerate(self.groups)
         ]  # fmt: skip
-        sigma = self.sigma if self.groups is None else self.sigma * len(self.groups) ** 0.5  # the members' scale
-        squared, self.last_update = 0.0, {"updates": []}
+        squared, record = 0.0, {"updates": []}
         for g, names, own in parts:
             n_valid = max(int(valid[own].sum()), 1) if g is not None else int(valid.sum())
-            scale = 1 / sigma if self.gradient else learning_rate  # ĝ's 1/(Nσ), or the plain update's α/N
+            scale = 1 / self.member_scale if self.gradient else learning_rate  # ĝ's 1/(Nσ), or the update's α/N
             coefficients = update_coefficients(fitness[own], [pairs[i] for i in own], scale, n_valid)
-            self.last_update["updates"].append(_record(g, coefficients, decay))
+            record["updates"].append(_record(g, coefficients, decay))
             if self.gradient:
                 squared += self.weights.gradient(coefficients, names) ** 2
             else:
                 squared += self.weights.update(coefficients, decay, names) ** 2
-        return {"es/gradient_norm" if self.gradient else "es/update_norm": squared**0.5}
+        return {"es/gradient_norm" if self.gradient else "es/update_norm": squared**0.5}, record
 
     def chain_header(self) -> dict:
-        return {"kind": "full", "groups": self.groups}
+        return {"kind": self.name, "groups": self.groups}
 
     @staticmethod
-    def replayer(header: dict, weights):
-        optimizer = rebuild_optimizer(header["optimizer"], weights.params) if header.get("optimizer") else None
+    def replayer(header: dict, weights, load_model=None):
+        gradient = bool(header.get("optimizer"))
 
         def replay(update: dict) -> None:
             for part in update["updates"]:
                 names = None if part["group"] is None else header["groups"][part["group"]]
                 coefficients = {int(seed): float(c) for seed, c in part["coefficients"]}
-                if optimizer is None:
-                    weights.update(coefficients, part["decay"], names)
-                else:
+                if gradient:
                     weights.gradient(coefficients, names)
-            if optimizer is not None:
-                step_optimizer(optimizer, update["learning_rates"])
+                else:
+                    weights.update(coefficients, part["decay"], names)
 
         return replay
+
+
+@register
+class CoPESSpace(FullSpace):
+    """CoPES: full ES whose members each perturb one of `copes_groups` parameter groups (see the module docstring)."""
+
+    name = "copes"
+
+    @classmethod
+    def check_config(cls, args, refuse) -> None:
+        if args.copes_partition not in PARTITIONS:
+            refuse("copes_partition", f"choose one of {PARTITIONS}")
+        directions = args.population_size // 2 if args.antithetic else args.population_size
+        if not 1 <= args.copes_groups <= directions:
+            refuse("copes_groups", f"every group needs a member: use 1..{directions} groups for this population")
+
+    @classmethod
+    def _groups(cls, args, weights) -> list[list[str]]:
+        return partition_parameters(list(weights.params), args.copes_groups, args.copes_partition, args.seed)
 
 
 def _record(group: int | None, coefficients: dict[int, float], decay: float) -> dict:

@@ -16,13 +16,16 @@ a Linear weight tied to an embedding, such as a tied `lm_head`) are left at θ b
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable
 
 import torch
 
 from .seeds import lowrank_seed
-from .space import Direction, SearchSpace, directions, rebuild_optimizer, step_optimizer
+from .space import Direction, SearchSpace, directions, register
 from .update import not_finite, update_coefficients
+from .weights import TrainerWeights
 
 
 def lowrank_factors(
@@ -63,31 +66,38 @@ def lowrank_targets(model: torch.nn.Module, params: dict[str, torch.nn.Parameter
 
 
 class LowRankPopulation:
-    """Within the context, batch row b of every forward through `targets` sees member `row_members[b]`:
-    y_b = x_b·Wᵀ (+ bias) + σ·sign_m/√r·(x_b·B_m)·A_mᵀ with m = row_members[b], and no perturbation when m = −1.
+    """Within the context, batch row b of every forward through `targets` sees member `row_members[b]` (set by
+    `route`, before each generate call): y_b = x_b·Wᵀ (+ bias) + σ·sign_m/√r·(x_b·B_m)·A_mᵀ with
+    m = row_members[b], and no perturbation when m = −1.
 
-    Member m's factors come from `lowrank_factors(seeds[m], name, W.shape, rank)`. Works with KV-cached
-    generation, whose rows keep their order; every forward must have `len(row_members)` rows. The hooks are
-    removed on exit, exceptions included; the weights are never modified.
+    Member m's factors come from `lowrank_factors(seeds[m], name, W.shape, rank)`, made once on entry. Works with
+    KV-cached generation, whose rows keep their order; every forward must have `len(row_members)` rows. The hooks
+    are removed on exit, exceptions included; the weights are never modified.
     """
 
     def __init__(
-        self,
-        targets: dict[str, torch.nn.Linear],
-        seeds: list[int],
-        signs: list[int],
-        sigma: float,
-        rank: int,
-        row_members: torch.Tensor,
+        self, targets: dict[str, torch.nn.Linear], seeds: list[int], signs: list[int], sigma: float, rank: int
     ):
         if len(seeds) != len(signs):
             raise ValueError(f"got {len(seeds)} seeds but {len(signs)} signs")
-        row_members = torch.as_tensor(row_members, dtype=torch.long).flatten()
-        if row_members.numel() and not (-1 <= int(row_members.min()) and int(row_members.max()) < len(seeds)):
-            raise ValueError(f"row_members must lie in [-1, {len(seeds)}), got {row_members.tolist()}")
         self.targets, self.seeds, self.signs, self.sigma, self.rank = targets, seeds, signs, sigma, rank
-        self.rows = row_members  # a centre row (−1) matches no member's columns: its mask is all zero
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.masks: dict[tuple, torch.Tensor] = {}  # per (device, dtype): row b's mask over the members' columns
+        self.rows = torch.zeros(0, dtype=torch.long)
+
+    def route(self, row_members) -> None:
+        """The next forwards' batch row b evaluates member `row_members[b]` (−1: the centre θ)."""
+        rows = torch.as_tensor(row_members, dtype=torch.long).flatten()
+        if rows.numel() and not (-1 <= int(rows.min()) and int(rows.max()) < len(self.seeds)):
+            raise ValueError(f"row_members must lie in [-1, {len(self.seeds)}), got {rows.tolist()}")
+        columns = torch.arange(len(self.seeds) * self.rank) // self.rank
+        self.rows, self.masks = rows, {None: (rows[:, None] == columns[None, :]).float()}  # a centre row: all zero
+
+    def mask(self, like: torch.Tensor) -> torch.Tensor:
+        key = (like.device, like.dtype)
+        if key not in self.masks:
+            self.masks[key] = self.masks[None].to(like.device, like.dtype)
+        return self.masks[key]
 
     def concatenated_factors(self, name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """B_all (in, M·r) = [B_1 … B_M] and A_all (M·r, out) = [σ·sign_m/√r·A_m]ᵀ stacked by member."""
@@ -97,18 +107,15 @@ class LowRankPopulation:
         a_all = torch.cat([a * scale for (a, _), scale in zip(factors, scales, strict=True)], dim=1).T
         return b_all.to(weight.device, weight.dtype), a_all.contiguous().to(weight.device, weight.dtype)
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> Callable[[list[int]], None]:
         try:
-            # mask[b, m·r + j] = 1 when row b belongs to member m: the rows' own factors, selected densely
-            columns = torch.arange(len(self.seeds) * self.rank) // self.rank
-            mask = (self.rows[:, None] == columns[None, :]).float()
             for name, module in self.targets.items():
                 b_all, a_all = self.concatenated_factors(name, module.weight)
-                row_mask = mask.to(module.weight.device, module.weight.dtype)
-                self.handles.append(module.register_forward_hook(_perturbation_hook(b_all, a_all, row_mask)))
+                self.handles.append(module.register_forward_hook(self._hook(b_all, a_all)))
         except BaseException:
             self.remove()
             raise
+        return self.route
 
     def __exit__(self, *exc_info) -> None:
         self.remove()
@@ -119,22 +126,24 @@ class LowRankPopulation:
             handle.remove()
         self.handles.clear()
 
+    def _hook(self, b_all: torch.Tensor, a_all: torch.Tensor):
+        """A forward hook adding ((x·B_all) ⊙ mask_b)·A_all to row b's output: the rows' own members' (x·B_m)·A_mᵀ
+        (σ·sign/√r is folded into A_all; a centre row's mask is all zero). Two calls beyond the masking: the
+        projection x·B_all, and one `addmm_` that multiplies by A_all and adds into the layer's output in place (no
+        temporaries of the output's size: those cost ~20% of a batched generate on CPU, this ~7%)."""
 
-def _perturbation_hook(b_all: torch.Tensor, a_all: torch.Tensor, row_mask: torch.Tensor):
-    """A forward hook adding ((x·B_all) ⊙ mask_b)·A_all to row b's output: the rows' own members' (x·B_m)·A_mᵀ
-    (σ·sign/√r is folded into A_all; a centre row's mask is all zero). Two calls beyond the masking: the projection
-    x·B_all, and one `addmm_` that multiplies by A_all and adds into the layer's output in place (no temporaries of
-    the output's size: those cost ~20% of a batched generate on CPU, this ~7%)."""
+        def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+            x = args[0]
+            if x.shape[0] != self.rows.shape[0]:
+                raise ValueError(
+                    f"the batch has {x.shape[0]} rows but the population routes {self.rows.shape[0]} rows"
+                )
+            row_mask = self.mask(a_all)
+            z = torch.matmul(x.reshape(x.shape[0], -1, x.shape[-1]), b_all).mul_(row_mask[:, None, :])
+            output.view(-1, output.shape[-1]).addmm_(z.view(-1, z.shape[-1]), a_all)  # a Linear's output is contiguous
+            return output
 
-    def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        x = args[0]
-        if x.shape[0] != row_mask.shape[0]:
-            raise ValueError(f"the batch has {x.shape[0]} rows but the population assigns {row_mask.shape[0]} rows")
-        z = torch.matmul(x.reshape(x.shape[0], -1, x.shape[-1]), b_all).mul_(row_mask[:, None, :])
-        output.view(-1, output.shape[-1]).addmm_(z.view(-1, z.shape[-1]), a_all)  # a Linear's output is contiguous
-        return output
-
-    return hook
+        return hook
 
 
 @torch.no_grad()
@@ -191,13 +200,19 @@ def write_lowrank_gradient(weights: dict[str, torch.nn.Parameter], coefficients:
     return squared_norm**0.5
 
 
+@register
 class LowRankSpace(SearchSpace):
     """EGGROLL: member i's noise is a rank-r matrix per target `nn.Linear` weight, applied in the forward pass by a
     `LowRankPopulation` (the weights are never written for a member); `members_per_call` members share one batched
-    generate call (default: all of this process's). Update: `lowrank_update` on the targets' weights."""
+    generate call (default: all of this process's). Update: `apply_lowrank_update` on the targets' weights, which
+    are the trainer's own tensors (`weights`, a `TrainerWeights`: written in place, undone by `restore`)."""
+
+    name = "lowrank"
+    backend = TrainerWeights  # members are hooks on the trainer's model; the update writes its tensors
 
     def __init__(
         self,
+        weights,
         targets: dict[str, torch.nn.Linear],
         seed: int,
         population_size: int,
@@ -205,23 +220,37 @@ class LowRankSpace(SearchSpace):
         rank: int = 1,
         antithetic: bool = False,
         members_per_call: int | None = None,
+        gradient: bool = False,
     ):
         if not targets:
             raise ValueError(
                 "es_search_space='lowrank' perturbs nn.Linear weights, and none is among the parameters ES selects "
                 "(es_parameter_patterns)"
             )
-        self.targets, self.seed, self.population_size, self.sigma = targets, seed, population_size, sigma
+        self.weights, self.targets, self.seed, self.population_size = weights, targets, seed, population_size
+        self.sigma = sigma
         self.rank, self.antithetic, self.per_call = rank, antithetic, members_per_call
-        self.gradient = False  # True: write −ĝ into the weights' .grad for an optimizer (ESConfig.es_optimizer)
+        self.gradient = gradient  # True: write −ĝ into the weights' .grad for an optimizer (ESConfig.es_optimizer)
 
     @classmethod
-    def from_config(cls, args, model, weights) -> LowRankSpace:
+    def check_config(cls, args, refuse) -> None:
+        if args.lowrank_rank < 1:
+            refuse("lowrank_rank", "the rank must be ≥ 1")
+        if args.lowrank_members_per_call is not None and args.lowrank_members_per_call < 1:
+            refuse("lowrank_members_per_call", "each call needs at least one member")
+        if args.weight_decay and not args.es_optimizer:
+            refuse("weight_decay", "the plain low-rank update moves θ only along the members' low-rank directions "
+                   "(with es_optimizer the optimizer applies weight_decay)")  # fmt: skip
+        if args.use_vllm:
+            refuse("es_search_space", "low-rank members are forward hooks on the trainer's model, which vLLM does not "
+                   "run: use 'full' or 'copes' with use_vllm, or use_vllm=False")  # fmt: skip
+
+    @classmethod
+    def from_config(cls, args, model, weights, load_model=None) -> LowRankSpace:
         """From ESConfig: the model's `nn.Linear` weights among those ES selects, rank `lowrank_rank`."""
         common = (args.seed, args.population_size, args.sigma, args.lowrank_rank, args.antithetic)
-        space = cls(lowrank_targets(model, weights.params), *common, args.lowrank_members_per_call)
-        space.gradient = args.es_optimizer
-        return space
+        targets = lowrank_targets(model, weights.params)
+        return cls(weights, targets, *common, args.lowrank_members_per_call, args.es_optimizer)
 
     def ask(self, step: int) -> list[Direction]:
         return directions(self.seed, step, self.population_size, self.antithetic)
@@ -229,41 +258,36 @@ class LowRankSpace(SearchSpace):
     def members_per_call(self, n_local: int) -> int:
         return self.per_call or n_local or 1
 
-    def evaluating(self, members: list[Direction | None], rows_per_member: int) -> LowRankPopulation:
+    @contextlib.contextmanager
+    def evaluating(self, members: list[Direction | None]):
+        """The members' `LowRankPopulation`; rows routed to a None member (the centre) see θ."""
         perturbed = [m for m in members if m is not None]
-        rows, position = [], 0
-        for m in members:
-            rows.append(-1 if m is None else position)
-            position += m is not None
-        row_members = torch.tensor(rows).repeat_interleave(rows_per_member)
+        positions, k = [], 0
+        for m in members:  # index into `members` → index into the perturbed ones (−1: the centre)
+            positions.append(-1 if m is None else k)
+            k += m is not None
         seeds, signs = [m.seed for m in perturbed], [m.sign for m in perturbed]
-        return LowRankPopulation(self.targets, seeds, signs, self.sigma, self.rank, row_members)
+        with LowRankPopulation(self.targets, seeds, signs, self.sigma, self.rank) as route:
+            yield lambda row_members: route([positions[i] for i in row_members])
 
     def tell(self, members: list[Direction], rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float):
         pairs, n_valid = [(m.seed, m.sign) for m in members], int((~torch.isnan(rewards)).sum())
         coefficients = update_coefficients(fitness, pairs, 1 / self.sigma if self.gradient else learning_rate, n_valid)
-        self.last_update = {"coefficients": [[seed, c] for seed, c in coefficients.items()]}
+        record = {"coefficients": [[seed, c] for seed, c in coefficients.items()]}
+        weights = {name: self.weights.params[name] for name in self.targets}  # the trainer's tensors, in place
         if self.gradient:
-            weights = {name: module.weight for name, module in self.targets.items()}
-            return {"es/gradient_norm": write_lowrank_gradient(weights, coefficients, self.rank)}
-        weights = {name: module.weight.data for name, module in self.targets.items()}
-        return {"es/update_norm": apply_lowrank_update(weights, coefficients, self.rank)}
+            return {"es/gradient_norm": write_lowrank_gradient(weights, coefficients, self.rank)}, record
+        return {"es/update_norm": apply_lowrank_update(weights, coefficients, self.rank)}, record
 
     def chain_header(self) -> dict:
-        return {"kind": "lowrank", "rank": self.rank, "targets": list(self.targets)}
+        return {"kind": self.name, "rank": self.rank, "targets": list(self.targets)}
 
     @staticmethod
-    def replayer(header: dict, weights):
-        optimizer = rebuild_optimizer(header["optimizer"], weights.params) if header.get("optimizer") else None
+    def replayer(header: dict, weights, load_model=None):
+        targets = {name: weights.params[name] for name in header["targets"]}
+        write = write_lowrank_gradient if header.get("optimizer") else apply_lowrank_update
 
         def replay(update: dict) -> None:
-            coefficients = {int(seed): float(c) for seed, c in update["coefficients"]}
-            if optimizer is None:
-                targets = {name: weights.params[name].data for name in header["targets"]}
-                apply_lowrank_update(targets, coefficients, header["rank"])
-                return
-            write_lowrank_gradient({name: weights.params[name] for name in header["targets"]}, coefficients,
-                                   header["rank"])  # fmt: skip
-            step_optimizer(optimizer, update["learning_rates"])
+            write(targets, {int(seed): float(c) for seed, c in update["coefficients"]}, header["rank"])
 
         return replay

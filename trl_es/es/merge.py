@@ -24,14 +24,26 @@ import math
 import os
 from collections.abc import Mapping
 
-import cma
 import numpy as np
 import torch
-from peft.utils.merge_utils import dare_ties
 
 from .params import layer_index
 from .seeds import merge_search_seed, merge_seed
-from .space import SearchSpace
+from .space import SearchSpace, one_member, register
+from .weights import TrainerWeights, weights_hash
+
+
+MERGE_EXTRA = "es_search_space='merge' needs cma and peft: pip install 'trl-es[merge]'"
+
+
+def _import(module: str):
+    """cma or peft's merge utilities, imported when Hyper-ES first needs them (the `merge` extra)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ImportError(MERGE_EXTRA) from error
 
 
 def task_vectors(
@@ -91,7 +103,7 @@ def merge(
         devices = [] if theta.device.type == "cpu" else [theta.device]
         with torch.random.fork_rng(devices=devices, device_type=theta.device.type):
             torch.manual_seed(merge_seed(seed, name))
-            delta = dare_ties([vector[name] for vector in vectors], weights, density)
+            delta = _import("peft.utils.merge_utils").dare_ties([vector[name] for vector in vectors], weights, density)
         merged[name] = (theta.float() + delta).to(theta.dtype)
     return merged
 
@@ -134,7 +146,7 @@ class MergeSearch:
         options = {"seed": math.nan, "randn": _Randn(merge_search_seed(seed)), "verbose": -9}
         if popsize is not None:
             options["popsize"] = popsize
-        self.es = cma.CMAEvolutionStrategy([init] * (n_vectors * n_groups), sigma0, options)
+        self.es = _import("cma").CMAEvolutionStrategy([init] * (n_vectors * n_groups), sigma0, options)
 
     def ask(self) -> list[torch.Tensor]:
         """The next population of candidate coefficient matrices (K × L, float64)."""
@@ -190,12 +202,6 @@ class MergeSearch:
         self.__dict__.update(replayed.__dict__)
 
 
-def _hash(named: Mapping[str, torch.Tensor]) -> str:
-    from ..sparse import weights_hash
-
-    return weights_hash(named)
-
-
 def _is_pair_of_ints(value) -> bool:
     return isinstance(value, list) and len(value) == 2 and all(type(v) is int and v > 0 for v in value)
 
@@ -206,12 +212,15 @@ def _is_reward_list(entry) -> bool:
     )
 
 
+@register
 class MergeSpace(SearchSpace):
     """Hyper-ES: the members are CMA-ES's candidate coefficients c; member c evaluates `merge(θ_start, τ, c)` written
     into the weights (a `LocalWeights`); `tell` gives CMA-ES the members' rewards (a member without one counts as
     the worst) and θ becomes the best merge found so far. The search state is checkpointed as JSON in
     `merge_search.json` (`MergeSearch.state_dict`)."""
 
+    name = "merge"
+    backend = TrainerWeights  # merges are written into the trainer's tensors
     STATE_FILE = "merge_search.json"
     PICKLED_STATE_FILE = "merge_search.pt"  # what trl-es wrote before it stopped pickling: refused
 
@@ -227,7 +236,7 @@ class MergeSpace(SearchSpace):
     ):
         self.weights, self.density, self.seed = weights, density, seed
         self.base = {name: p.detach().to("cpu", copy=True) for name, p in weights.params.items()}
-        self.models = [{"path": path, "sha256": _hash(named)} for path, named in tuned.items()]
+        self.models = [{"path": path, "sha256": weights_hash(named)} for path, named in tuned.items()]
         for path, named in tuned.items():
             missing = [name for name in self.base if name not in named]
             if missing:
@@ -241,11 +250,29 @@ class MergeSpace(SearchSpace):
         self.search = MergeSearch(len(self.vectors), max(self.groups.values()) + 1, init, sigma0, popsize, seed)
 
     @classmethod
-    def from_config(cls, args, model, weights) -> MergeSpace:
-        """From ESConfig: the task vectors of `merge_models` (loaded as training loads a starting model)."""
-        from ..loading import load_starting_model
+    def check_config(cls, args, refuse) -> None:
+        if not args.merge_models:
+            refuse("merge_models", "Hyper-ES merges task vectors: give at least one fine-tuned model")
+        if not 0 < args.merge_density <= 1:
+            refuse("merge_density", "DARE keeps a share in (0, 1] of each task vector")
+        if not args.merge_sigma > 0:
+            refuse("merge_sigma", "CMA-ES needs a step size > 0")
+        if args.es_optimizer:
+            refuse("es_optimizer", "Hyper-ES moves θ by CMA-ES, not by a gradient estimate")
+        if args.use_vllm:
+            refuse("es_search_space", "a merge is written into the trainer's tensors, which vLLM does not read: "
+                   "use 'full' or 'copes' with use_vllm, or use_vllm=False")  # fmt: skip
 
-        tuned = {path: dict(load_starting_model(path).named_parameters()) for path in args.merge_models}
+    @classmethod
+    def check_setup(cls, args, zero_stage) -> None:
+        if zero_stage == 3:
+            raise ValueError("es_search_space='merge' holds the base and task vectors whole: use ZeRO-2 or none")
+
+    @classmethod
+    def from_config(cls, args, model, weights, load_model) -> MergeSpace:
+        """From ESConfig: the task vectors of `merge_models`, loaded with `load_model`."""
+        _import("cma"), _import("peft.utils.merge_utils")  # the extra's error now, not after loading the models
+        tuned = {path: dict(load_model(path).named_parameters()) for path in args.merge_models}
         settings = (args.merge_density, args.merge_init, args.merge_sigma, args.population_size, args.seed)
         return cls(weights, tuned, *settings)
 
@@ -256,13 +283,14 @@ class MergeSpace(SearchSpace):
         return merge(self.base, self.vectors, coefficients, self.groups, self.density, self.seed)
 
     @contextlib.contextmanager
-    def evaluating(self, members: list[torch.Tensor | None], rows_per_member: int):
+    def evaluating(self, members: list[torch.Tensor | None]):
+        route = one_member(members)
         (member,) = members
         if member is None:
             self.weights.center()
         else:
             self.weights.write(self.merged(member))
-        yield
+        yield route
 
     def tell(self, members: list[torch.Tensor], rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float):
         rewards = rewards.clone()
@@ -270,23 +298,20 @@ class MergeSpace(SearchSpace):
         self.search.tell(members, rewards.tolist())
         best, best_reward = self.search.best()
         self.weights.write(self.merged(best), member=False)
-        self.last_update = {"coefficients": best.tolist()}
-        return {"es/update_norm": self.weights.distance(), "es/merge_best_reward": best_reward}
+        metrics = {"es/update_norm": self.weights.distance(), "es/merge_best_reward": best_reward}
+        return metrics, {"coefficients": best.tolist()}
 
     def chain_header(self) -> dict:
         """The merge settings and the merged models: where they were, and the SHA-256 of their weights (replay
         refuses other ones)."""
-        return {"kind": "merge", "density": self.density, "seed": self.seed, "models": self.models}
+        return {"kind": self.name, "density": self.density, "seed": self.seed, "models": self.models}
 
     @staticmethod
-    def replayer(header: dict, weights):
+    def replayer(header: dict, weights, load_model):
         """θ of a step is the merge of the chain's base (the weights held now) with the recorded coefficients."""
-        from ..loading import load_starting_model
-        from ..sparse import weights_hash
-
         tuned = {}
         for entry in header["models"]:
-            named = dict(load_starting_model(entry["path"]).named_parameters())
+            named = dict(load_model(entry["path"]).named_parameters())
             if weights_hash(named) != entry["sha256"]:
                 raise ValueError(f"merge model {entry['path']!r} is not the one the run merged (its weights differ)")
             tuned[entry["path"]] = named

@@ -22,9 +22,22 @@ def member_seed(seed: int, step: int, index: int) -> int:
 
 
 def sampling_seed(seed: int, step: int, key: object) -> int:
-    """The sampling seed of one generate call of step `step`: `key` is "common" (common random numbers: every member
-    samples with the same seed), "center", or the index of the call's first member."""
+    """The sampling seed of one member's completions at step `step` (`completion_seed` derives each completion's):
+    `key` is the member's index, "center", or "common" (common random numbers: every member samples with the same
+    seeds)."""
     return derive_seed("es-sampling", seed, step, key)
+
+
+def completion_seed(call_seed: int, prompt: int, generation: int) -> int:
+    """The sampling seed of one completion: generation `generation` of prompt `prompt` (its index in the step's or
+    the evaluation batch's prompts) under `call_seed` (a `sampling_seed` or `eval_seed`). Each completion is sampled
+    from its own generator, so its tokens never depend on which other rows share its generate call."""
+    return derive_seed("es-completion", call_seed, prompt, generation)
+
+
+def completion_seeds(call_seed: int, n_prompts: int, n_generations: int) -> list[int]:
+    """`completion_seed` of every completion of `n_prompts` prompts × `n_generations`, in prompt-major order."""
+    return [completion_seed(call_seed, k, j) for k in range(n_prompts) for j in range(n_generations)]
 
 
 def eval_seed(seed: int, step: int, first_problem: int) -> int:

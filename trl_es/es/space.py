@@ -2,24 +2,54 @@
 
 evosax's ask/tell shape. One ES step of the trainer reads
 
-    members = space.ask(step)                                  # the step's N members
-    with space.evaluating([member], rows_per_member): generate # for each of this process's members
+    members = space.ask(step)                                   # the step's N members
+    with space.evaluating(call_members) as route:               # for each generate call of this process
+        route(row_members); generate ...                        # batch row b is member call_members[row_members[b]]
     ... all-reduce the rewards, shape them into fitness z ...
-    metrics = space.tell(members, rewards, fitness, α_t)       # the update; metrics["es/update_norm"] = ‖Δθ‖
+    metrics, update = space.tell(members, rewards, fitness, α_t) # the update, and its seed-chain record
 
-Implementations: `FullSpace` (full ES, and CoPES with parameter groups), `LowRankSpace` (EGGROLL),
-`MergeSpace` (Hyper-ES). A new search space is one new class; the trainer's step does not change.
+Every search space is registered in `SEARCH_SPACES` under its `name` (the `es_search_space` value and the seed
+chain's `kind`), read by ESConfig (the choices, `check_config`), the trainer (`check_setup`, `from_config`) and seed
+chains (`replayer`): a new search space is one registered class (docs/design.md, "Adding a search space").
+Registered here: `FullSpace` (full ES), `CoPESSpace` (cooperative subspaces), `LowRankSpace` (EGGROLL),
+`MergeSpace` (Hyper-ES).
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from .seeds import member_seed
+from .weights import WeightsBackend
+
+
+SEARCH_SPACES: dict[str, type[SearchSpace]] = {}
+"""Every search space by name (`register`)."""
+
+Route = Callable[[list[int]], None]
+"""`route(row_members)`: the next forward passes' batch row b evaluates member `row_members[b]` (an index into the
+members the `evaluating` context was given)."""
+
+
+def register(cls: type[SearchSpace]) -> type[SearchSpace]:
+    """Class decorator: make `cls` the search space `es_search_space=cls.name` selects."""
+    if cls.name in SEARCH_SPACES:
+        raise ValueError(f"a search space named {cls.name!r} is already registered ({SEARCH_SPACES[cls.name]})")
+    SEARCH_SPACES[cls.name] = cls
+    return cls
+
+
+def search_space(name: str) -> type[SearchSpace]:
+    """The registered search space `name`; a ValueError naming the known ones otherwise."""
+    if name not in SEARCH_SPACES:
+        raise ValueError(f"unknown search space {name!r}: this trl-es knows {sorted(SEARCH_SPACES)}")
+    return SEARCH_SPACES[name]
 
 
 @dataclass(frozen=True)
@@ -38,12 +68,40 @@ def directions(seed: int, step: int, population_size: int, antithetic: bool) -> 
     return [Direction(member_seed(seed, step, i)) for i in range(population_size)]
 
 
+def one_member(members: list) -> Route:
+    """The route of a space that forms one member at a time: every row is that member."""
+
+    def route(row_members: list[int]) -> None:
+        if any(m != 0 for m in row_members):
+            raise ValueError(
+                f"this search space evaluates one member per call, not rows of {sorted(set(row_members))}"
+            )
+
+    if len(members) != 1:
+        raise ValueError(f"this search space evaluates one member per call, got {len(members)}")
+    return route
+
+
 class SearchSpace:
     """Base class of the search spaces (see the module docstring)."""
 
+    name: ClassVar[str]
+    """The `es_search_space` value that selects this space, and the `kind` of its seed chains."""
+    backend: ClassVar[type] = WeightsBackend
+    """The weights-backend protocol this space needs (`trl_es.es.weights`)."""
+
     @classmethod
-    def from_config(cls, args, model: torch.nn.Module, weights) -> SearchSpace:
-        """The space ESConfig `args` describes, over `model` and its weights backend (`trl_es.es.weights`)."""
+    def check_config(cls, args, refuse: Callable[[str, str], None]) -> None:
+        """Refuse (`refuse(field, why)`) ESConfig settings this space cannot honour: called by ESConfig."""
+
+    @classmethod
+    def check_setup(cls, args, zero_stage: int | None) -> None:
+        """A ValueError for a run set-up this space cannot work in (e.g. ZeRO-3), known once the trainer starts."""
+
+    @classmethod
+    def from_config(cls, args, model: torch.nn.Module, weights, load_model: Callable) -> SearchSpace:
+        """The space ESConfig `args` describes, over `model` and its weights backend (`trl_es.es.weights`);
+        `load_model(path)` loads another model as training loads a starting model (Hyper-ES's merge models)."""
         raise NotImplementedError
 
     def ask(self, step: int) -> list:
@@ -54,26 +112,30 @@ class SearchSpace:
         """How many of this process's `n_local` members one generate call evaluates together."""
         return 1
 
-    def evaluating(self, members: list, rows_per_member: int) -> contextlib.AbstractContextManager:
-        """A context in which a generate call over `len(members)` blocks of `rows_per_member` rows gives block j
-        member `members[j]`'s completions (None: the unperturbed centre θ)."""
+    def evaluating(self, members: list) -> contextlib.AbstractContextManager[Route]:
+        """A context in which the model evaluates `members` (None: the unperturbed centre θ), giving the `Route`
+        that says which member each batch row of the next generate calls evaluates. Everything is undone on exit."""
         raise NotImplementedError
 
-    def tell(self, members: list, rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float) -> dict:
-        """Move θ with the members' shaped `fitness` (and raw `rewards`, NaN for none); the step's metrics, with
-        `es/update_norm` = ‖Δθ‖₂. Sets `last_update`: what `replay` needs to apply the same update again."""
+    def tell(
+        self, members: list, rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float
+    ) -> tuple[dict, dict]:
+        """Move θ with the members' shaped `fitness` (and raw `rewards`, NaN for none), or, with `gradient` (the
+        `es_optimizer` mode), write −ĝ into the parameters' `.grad` for the optimizer the trainer steps next.
+        Returns the step's metrics (`es/update_norm` = ‖Δθ‖₂, or `es/gradient_norm` = ‖ĝ‖₂) and the update's seed
+        chain record (`trl_es.chains.StepRecord["update"]`): what `replayer` needs to apply it again."""
         raise NotImplementedError
 
     def chain_header(self) -> dict:
         """What replaying this space's updates needs beyond the base weights and the noise table (a seed chain's
-        header, `trl_es.chains`), JSON-able."""
+        `space` header, `trl_es.chains`), JSON-able, with `kind` = `name`."""
         raise NotImplementedError
 
     @staticmethod
-    def replayer(header: dict, weights):
-        """A function applying a recorded update (a `last_update`) to `weights` (a `LocalWeights` holding the
-        chain's base, θ of each step captured before its update) bitwise as `tell` did; `header` is
-        `chain_header()`'s. Made once per replay, before the first step."""
+    def replayer(header: dict, weights, load_model: Callable) -> Callable[[dict], None]:
+        """A function applying a recorded update (`tell`'s record) to `weights` (a `LocalWeights` holding the
+        chain's base, θ of each step captured before its update) bitwise as `tell` did (with an optimizer, its
+        gradient only: `trl_es.chains` steps the optimizer); `header` is `chain_header()`'s. Made once per replay."""
         raise NotImplementedError
 
     def save_state(self, folder: str) -> None:
@@ -106,9 +168,16 @@ def rebuild_optimizer(header: dict, params: dict[str, torch.nn.Parameter]) -> to
     return cls(groups, **{k: v for k, v in header["defaults"].items() if k in accepted})
 
 
-def step_optimizer(optimizer: torch.optim.Optimizer, learning_rates: list[float]) -> None:
-    """One optimizer step on the gradients written, at the recorded learning rate of each param group."""
+def step_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor], learning_rates: list[float]):
+    """The `es_optimizer` step, in training and in replay alike: one optimizer step on the gradients the search
+    space wrote, at `learning_rates` (one per param group), then the gradients cleared. A FloatingPointError names
+    the first parameter of `params` the step made non-finite (the caller restores θ)."""
     for group, lr in zip(optimizer.param_groups, learning_rates, strict=True):
         group["lr"] = lr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    for name, p in params.items():
+        if not torch.isfinite(p).all():
+            raise FloatingPointError(
+                f"the optimizer's step made {name!r} non-finite (learning rates {learning_rates}): lower learning_rate"
+            )

@@ -14,16 +14,17 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def update_coefficients(
-    fitness: torch.Tensor, directions: list[tuple[int, int]], learning_rate: float, n_members: int
+    fitness: torch.Tensor, directions: list[tuple[int, int]], scale: float, n_members: int
 ) -> dict[int, float]:
-    """c_s = α/N · Σ_{i: seed_i = s} sign_i·z_i, one coefficient per noise seed, with N = `n_members`.
+    """c_s = scale/N · Σ_{i: seed_i = s} sign_i·z_i, one coefficient per noise seed, with N = `n_members`: the plain
+    update's coefficients with scale = α, the gradient estimate ĝ's with scale = 1/σ (`es_optimizer`).
 
     `directions[i] = (seed_i, sign_i)` is member i's noise ±ε(seed_i); antithetic pairs share a seed, so their
     two terms merge into one and the noise is regenerated once per pair.
     """
     coefficients: dict[int, float] = {}
     for z, (seed, sign) in zip(fitness.tolist(), directions, strict=True):
-        coefficients[seed] = coefficients.get(seed, 0.0) + learning_rate * sign * z / n_members
+        coefficients[seed] = coefficients.get(seed, 0.0) + scale * sign * z / n_members
     check_coefficients(coefficients)
     return coefficients
 

@@ -1,23 +1,15 @@
-"""Weights backends: where a member's weights are written. This module holds the interface's reference, the trainer's
-own tensors (`LocalWeights`); `trl_es.rollout.vllm_generate.VLLMWeights` writes members into vLLM's workers.
-
-A backend holds θ (`params`: the trainer's parameters ES moves, by name) and the step's state, and answers:
-
-- `start()`: be ready to generate with θ (vLLM: receive it, once); `loaded(checkpoint)`: θ was loaded from a
-  checkpoint; `release()`: free the step's buffers (the end of training);
-- `capture()`: θ ← the current weights (start of a step);
-- `member(seed, scale, names)`: the evaluated weights become θ + scale·ε(seed) over `names` (default all), θ
-  elsewhere; `center()`: they become θ again (after a member, cheaply);
-- `restore()`: everything back to θ bitwise, whatever happened since `capture` (a failed step);
-- `update(coefficients, decay, names)`: θ ← θ + Σ_s c_s ε(s) − decay·θ over `names`; returns ‖Δθ‖₂;
-- `gradient(coefficients, names)` (the trainer's own tensors only): `.grad` ← −Σ_s c_s ε(s), for an optimizer;
-- `fingerprint()`: a hash of the weights' bytes, equal only for bitwise-equal weights.
+"""Weights backends: where a member's weights are written, stated as protocols. `WeightsBackend` is what every
+backend does; `TrainerWeights` adds what only a backend over the trainer's own tensors can. `LocalWeights` (here)
+is the trainer's and satisfies both; `trl_es.rollout.vllm_generate.VLLMWeights` writes members into vLLM's workers
+and satisfies `WeightsBackend`. A search space names the protocol it needs (`SearchSpace.backend`); the trainer
+refuses a backend that lacks it.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -26,16 +18,65 @@ from .params import ParameterSnapshot
 from .update import apply_update, write_gradient
 
 
-def weights_fingerprint(weights: dict[str, torch.Tensor], names: Iterable[str]) -> str:
-    """A hash of the bytes of `weights[name]` for `names` (in that order): equal only for bitwise-equal weights,
-    whatever device holds them."""
-    digest = hashlib.blake2b(digest_size=16)
-    for name in names:
-        tensor = weights[name].detach().contiguous()
-        digest.update(name.encode())
-        digest.update(str(tensor.dtype).encode())
-        digest.update(tensor.view(-1).view(torch.uint8).cpu().numpy().tobytes())
+def weights_hash(weights: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over the names, dtypes, shapes and bytes of `weights`, in name order: equal only for bitwise-equal
+    weights, whatever device holds them. The one weight digest of trl-es (seed chains, deltas, vLLM's copy)."""
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        tensor = weights[name].detach().contiguous().cpu()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
     return digest.hexdigest()
+
+
+@runtime_checkable
+class WeightsBackend(Protocol):
+    """What every weights backend does. `params`: θ's tensors by name (the trainer's)."""
+
+    params: dict[str, torch.nn.Parameter]
+
+    def start(self) -> None:
+        """Be ready to generate with θ (vLLM: receive it, once)."""
+
+    def loaded(self, checkpoint: str) -> None:
+        """θ was loaded from `checkpoint` (vLLM takes it at the next `start`)."""
+
+    def release(self) -> None:
+        """Free the step's buffers (the end of training)."""
+
+    def capture(self) -> None:
+        """θ ← the current weights (the start of a step)."""
+
+    def member(self, seed: int, scale: float, names: list[str] | None = None) -> set[str]:
+        """The evaluated weights become θ + scale·ε(seed) over `names` (default all), θ elsewhere; returns the names
+        whose tensors were written."""
+
+    def center(self) -> set[str]:
+        """The evaluated weights become θ again (after a member, cheaply); returns the names written."""
+
+    def restore(self) -> None:
+        """Everything back to θ bitwise, whatever happened since `capture` (a failed step)."""
+
+    def update(self, coefficients: dict[int, float], decay: float = 0.0, names: list[str] | None = None) -> float:
+        """θ ← θ + Σ_s c_s ε(s) − decay·θ over `names`; returns ‖Δθ‖₂."""
+
+    def fingerprint(self) -> str:
+        """`weights_hash` of the weights held now: equal only for bitwise-equal weights."""
+
+
+@runtime_checkable
+class TrainerWeights(WeightsBackend, Protocol):
+    """A backend over the trainer's own tensors: a search space may also write `params` in place between `capture`
+    and the next `capture` (`restore` undoes it: the low-rank update)."""
+
+    def write(self, weights: dict[str, torch.Tensor], member: bool = True) -> set[str]:
+        """A member given by its weights (θ elsewhere), or with `member=False` the step's new θ."""
+
+    def distance(self) -> float:
+        """‖weights − θ‖₂."""
+
+    def gradient(self, coefficients: dict[int, float], names: list[str] | None = None) -> float:
+        """θ back in the tensors and `.grad` ← −Σ_s c_s ε(s) over `names`, for an optimizer; returns ‖ĝ‖₂."""
 
 
 class LocalWeights:
@@ -119,4 +160,4 @@ class LocalWeights:
         )
 
     def fingerprint(self) -> str:
-        return weights_fingerprint(self.params, self.params)
+        return weights_hash(self.params)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -15,6 +17,7 @@ from transformers import (
 )
 from trl.data_utils import is_conversational
 
+from ..compat import SAMPLING_FIELDS, sampling_warpers
 from ..metrics import token_entropy
 
 
@@ -50,6 +53,34 @@ class EntropyRecorder(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         self.steps.append(token_entropy(scores).cpu())
         return scores
+
+
+class SeededSampler(LogitsProcessor):
+    """Sampling with one generator per batch row: the scores go through transformers' sampling warpers
+    (temperature, top-k, top-p, min-p, …), row b draws its token with `torch.multinomial` (the sampler transformers
+    uses) from its own generator (seeded by `seeds[b]`), and the returned scores leave only that token, so greedy
+    decoding emits it. A row's tokens are thus a function of its prompt and seed alone, never of which other rows
+    (members, prompts) share the batch. With common random numbers, members sample with the same generators: their
+    completions agree until a member's distribution tips a draw. Put last: it replaces the scores."""
+
+    def __init__(self, warpers: LogitsProcessorList, seeds: list[int], device: torch.device):
+        self.warpers = warpers
+        self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        probs = self.warpers(input_ids, scores).float().softmax(-1)  # warped-away tokens: 0
+        choice = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, self.generators, strict=True)])
+        chosen = torch.full_like(scores, -math.inf)
+        return chosen.scatter_(1, choice[:, None], 0.0)
+
+
+def greedy_config(config: GenerationConfig) -> GenerationConfig:
+    """`config` with `do_sample=False` and no sampling warpers (`SeededSampler` applies them instead)."""
+    config = copy.deepcopy(config)
+    config.do_sample = False
+    for name in SAMPLING_FIELDS:
+        setattr(config, name, None)
+    return config
 
 
 class TransformersRollout:
@@ -109,30 +140,52 @@ class TransformersRollout:
                 stacklevel=2,
             )
 
-    @torch.no_grad()
     def generate(
-        self, prompts: list, prompt_ids: list[list[int]], num_generations: int, seed: int, record_entropy: bool = False
+        self, prompts: list, prompt_ids: list[list[int]], num_generations: int, seeds: list[int], record_entropy=False
     ) -> Rollout:
-        """Sample with the torch RNG seeded by `seed` (forked, so the caller's RNG state is untouched); with
-        `record_entropy`, also the sum of the token entropies of each completion."""
-        repeated = [ids for ids in prompt_ids for _ in range(num_generations)]
-        width = max(map(len, repeated))
+        """`num_generations` completions of each prompt (prompt-major order), completion r sampled with `seeds[r]`
+        (`trl_es.es.seeds.completion_seeds`); with `record_entropy`, also each completion's summed token entropy."""
+        rows = [ids for ids in prompt_ids for _ in range(num_generations)]
+        completion_ids, truncated, entropy_sums = self.generate_ids(rows, seeds, record_entropy)
+        return self.rollout(prompts, num_generations, completion_ids, truncated, entropy_sums)
+
+    @torch.no_grad()
+    def generate_ids(
+        self, rows: list[list[int]], seeds: list[int], record_entropy: bool = False, max_new_tokens: int | None = None
+    ) -> tuple[list[list[int]], list[bool], list[float] | None]:
+        """One completion per row of prompt token ids, in one left-padded batch: (completion ids, each cut after its
+        first EOS; whether it was truncated; its summed token entropy, with `record_entropy`). Row r samples from a
+        generator of its own seeded by `seeds[r]` (`SeededSampler`), so its tokens never depend on the other rows;
+        greedy decoding (`do_sample=False`) ignores the seeds, and beam sampling (`num_beams` > 1 in
+        `generation_kwargs`) draws from torch's RNG seeded by `seeds[0]`, shared by the call's rows.
+        `max_new_tokens` overrides the config's."""
+        if len(seeds) != len(rows):
+            raise ValueError(f"got {len(seeds)} sampling seeds for {len(rows)} rows")
+        width = max(map(len, rows))
         pad = self.tokenizer.pad_token_id
-        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in repeated])
-        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in repeated])
+        input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in rows])
+        attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows])
         device = self.model.device
         recorder = EntropyRecorder() if record_entropy else None
+        config, processors = self.generation_config, [recorder] if recorder else []
+        beams = (config.num_beams or 1) > 1  # beam sampling keeps transformers' sampler, seeded by the first row
+        if config.do_sample and not beams:  # sampled row by row: transformers' warpers, then each row's own draw
+            processors.append(SeededSampler(sampling_warpers(self.model, config), seeds, device))
+            config = greedy_config(config)
+        if max_new_tokens is not None:
+            config = copy.deepcopy(config)
+            config.max_new_tokens = max_new_tokens
         was_training = self.model.training
         self.model.eval()
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(seed)
+                torch.manual_seed(seeds[0] if seeds else 0)  # only beam sampling draws from it
                 output = self.model.generate(
                     input_ids=input_ids.to(device),
                     attention_mask=attention_mask.to(device),
-                    generation_config=self.generation_config,
+                    generation_config=config,
                     synced_gpus=False,  # processes generate for different members, never in lockstep
-                    logits_processor=LogitsProcessorList([recorder] if recorder else []),
+                    logits_processor=LogitsProcessorList(processors),
                 )
         finally:
             self.model.train(was_training)
@@ -145,7 +198,7 @@ class TransformersRollout:
         if recorder is not None:
             per_step = torch.stack(recorder.steps, dim=1).double()  # (rows, generated steps)
             entropy_sums = [float(per_step[row, : len(ids)].sum()) for row, ids in enumerate(completion_ids)]
-        return self.rollout(prompts, num_generations, completion_ids, truncated, entropy_sums)
+        return completion_ids, truncated, entropy_sums
 
     def rollout(self, prompts, num_generations, completion_ids, truncated, entropy_sums=None) -> Rollout:
         """The Rollout of `completion_ids` (each ending with its EOS unless truncated), decoded as GRPOTrainer does:

@@ -6,13 +6,14 @@ extension): seeds and update coefficients over `POST /collective_rpc`, prompts o
 `/v1/completions`. Either way only seeds and scalars travel per member, never weights
 (`trl_es.rollout.vllm_worker` does the perturbing inside vLLM's workers).
 
-Sampling follows the trainer's `GenerationConfig` (greedy when `do_sample=False`); every member's request carries
-the step's sampling seed, so common random numbers hold as on the transformers path (vLLM gives the k-th of the
-`num_generations` samples the seed + k). The completions are not the same tokens as `generate` would sample.
+Sampling follows the trainer's `GenerationConfig` (greedy when `do_sample=False`); every completion is its own
+request with its own seed (`trl_es.es.seeds.completion_seed`), so common random numbers hold as on the transformers
+path. The sampled completions are not the same tokens as `generate` would sample.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -26,7 +27,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..es.weights import LocalWeights
-from .transformers_generate import Rollout, TransformersRollout
+from .transformers_generate import TransformersRollout
 
 
 WORKER_EXTENSION = "trl_es.rollout.vllm_worker.ESWorkerExtension"
@@ -123,13 +124,13 @@ class _Colocated:
     def rpc(self, method: str, payload: dict, *extra) -> list:
         return self.llm.collective_rpc(method, args=(json.dumps(payload), *extra))
 
-    def generate(self, prompt_ids: list[list[int]], settings: dict) -> list[tuple[list[int], str]]:
+    def generate(self, prompt_ids: list[list[int]], settings: list[dict]) -> list[tuple[list[int], str]]:
+        """One completion per prompt, prompt r with `SamplingParams(**settings[r])`."""
         from vllm import SamplingParams
 
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": ids} for ids in prompt_ids], SamplingParams(**settings), use_tqdm=False
-        )
-        return [(list(o.token_ids), o.finish_reason) for output in outputs for o in output.outputs]
+        params = [SamplingParams(**row) for row in settings]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        return [(list(output.outputs[0].token_ids), output.outputs[0].finish_reason) for output in outputs]
 
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
@@ -184,7 +185,16 @@ class _Server:
         results = self._post("/collective_rpc", {"method": method, "args": [json.dumps(payload)]})
         return results.json()["results"] if results.content else []
 
-    def generate(self, prompt_ids: list[list[int]], settings: dict) -> list[tuple[list[int], str]]:
+    def generate(self, prompt_ids: list[list[int]], settings: list[dict]) -> list[tuple[list[int], str]]:
+        """One completion per prompt, prompt r with `settings[r]`: one request for rows that share their settings
+        (greedy), else one request per row (a request has one seed), sent together so the server batches them."""
+        if all(row == settings[0] for row in settings):
+            return self._complete(prompt_ids, settings[0])
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(prompt_ids))) as pool:
+            results = pool.map(lambda ids, row: self._complete([ids], row)[0], prompt_ids, settings)
+            return list(results)
+
+    def _complete(self, prompt_ids: list[list[int]], settings: dict) -> list[tuple[list[int], str]]:
         body = {"model": self.model, "prompt": prompt_ids, "return_token_ids": True, **settings}
         choices = sorted(self._post("/v1/completions", body).json()["choices"], key=lambda c: c["index"])
         return [(c["token_ids"], c["finish_reason"]) for c in choices]
@@ -267,30 +277,34 @@ class VLLMRollout(TransformersRollout):
         self.engine.reset_prefix_cache()
         return results
 
-    def perturb(self, seed: int, scale: float, names: list[str] | None = None) -> None:
-        self._weights_changed("es_perturb", {"seed": seed, "scale": scale, "names": names})
+    def perturb(self, seed: int, scale: float, names: list[str] | None = None) -> set[str]:
+        """vLLM's weights become θ + scale·ε(seed) over `names`; the names its tensors changed at."""
+        return set(self._weights_changed("es_perturb", {"seed": seed, "scale": scale, "names": names})[0]["written"])
 
-    def restore(self) -> None:
-        self._weights_changed("es_restore", {})
+    def restore(self) -> set[str]:
+        """vLLM's weights become θ again; the names its tensors changed at."""
+        return set(self._weights_changed("es_restore", {})[0]["written"])
 
     def update(self, coefficients: dict[int, float], decay: float, names: list[str] | None = None) -> float:
         """The ES update inside vLLM; returns vLLM's ‖Δθ‖₂."""
         payload = {"coefficients": [[s, c] for s, c in coefficients.items()], "decay": decay, "names": names}
         return self._weights_changed("es_update", payload)[0]["update_norm"]
 
-    def generate(self, prompts, prompt_ids, num_generations, seed, record_entropy=False) -> Rollout:
+    def generate_ids(self, rows, seeds, record_entropy=False, max_new_tokens=None):
+        """One completion per row, as the transformers backend's `generate_ids`: each row is its own request, sampled
+        with its own seed (vLLM keeps a generator per seeded request), so its tokens never depend on which rows share
+        the call. No token entropy."""
         if record_entropy:
             raise ValueError(
                 "token entropy needs the full next-token distribution, which vLLM does not return: "
                 "use_vllm=False for log_completion_entropy and eval entropy"
             )
-        if self.settings["temperature"] == 0:  # greedy: vLLM refuses n > 1, so each prompt is repeated
-            outputs = self.engine.generate([ids for ids in prompt_ids for _ in range(num_generations)], self.settings)
-        else:
-            outputs = self.engine.generate(prompt_ids, {**self.settings, "n": num_generations, "seed": seed})
-        completion_ids = [ids for ids, _ in outputs]
-        truncated = [reason == "length" for _, reason in outputs]
-        return self.rollout(prompts, num_generations, completion_ids, truncated)
+        if len(seeds) != len(rows):
+            raise ValueError(f"got {len(seeds)} sampling seeds for {len(rows)} rows")
+        settings = self.settings if max_new_tokens is None else {**self.settings, "max_tokens": max_new_tokens}
+        greedy = settings["temperature"] == 0
+        outputs = self.engine.generate(rows, [settings if greedy else {**settings, "seed": seed} for seed in seeds])
+        return [ids for ids, _ in outputs], [reason == "length" for _, reason in outputs], None
 
 
 class VLLMWeights:
@@ -318,11 +332,11 @@ class VLLMWeights:
     def capture(self) -> None:
         self.local.capture()
 
-    def member(self, seed: int, scale: float, names: list[str] | None = None) -> None:
-        self.rollout.perturb(seed, scale, names)
+    def member(self, seed: int, scale: float, names: list[str] | None = None) -> set[str]:
+        return self.rollout.perturb(seed, scale, names)
 
-    def center(self) -> None:
-        self.rollout.restore()
+    def center(self) -> set[str]:
+        return self.rollout.restore()
 
     def restore(self) -> None:
         self.local.restore()

@@ -34,7 +34,7 @@ import os
 import torch
 
 from ..es.noise import CHUNK
-from ..es.weights import LocalWeights, weights_fingerprint
+from ..es.weights import LocalWeights, weights_hash
 
 
 M_MMAP_THRESHOLD = -3
@@ -147,7 +147,10 @@ class ESWorkerExtension:
             if self._es_repacked:
                 _reuse_freed_memory()
         self._es_weights.capture()
-        return {"fingerprint": weights_fingerprint(working, self._es_names), "in_place": self._es_views}
+        return {
+            "fingerprint": weights_hash({name: working[name] for name in self._es_names}),
+            "in_place": self._es_views,
+        }
 
     @staticmethod
     def _es_keep_cpu_weights(model) -> None:
@@ -197,17 +200,21 @@ class ESWorkerExtension:
             self._es_packed[name] = [m for m in packing if m.weight.data_ptr() == param.data_ptr()]
         return views
 
-    def es_perturb(self, payload: str) -> None:
-        """vLLM's weights ← θ + scale·ε(seed) over `names` (default: all ES names), θ elsewhere."""
+    def es_perturb(self, payload: str) -> dict:
+        """vLLM's weights ← θ + scale·ε(seed) over `names` (default: all ES names), θ elsewhere; {"written": the
+        names whose tensors changed}."""
         args = parse_payload(payload, "seed", "scale")
         names = self._es_known(args.get("names"))
-        self._es_push(self._es_weights.member(args["seed"], args["scale"], names))
+        written = self._es_weights.member(args["seed"], args["scale"], names)
+        self._es_push(written)
+        return {"written": sorted(written)}
 
-    def es_restore(self, payload: str) -> None:
-        """vLLM's weights ← θ."""
+    def es_restore(self, payload: str) -> dict:
+        """vLLM's weights ← θ; {"written": the names whose tensors changed}."""
         written = self._es_weights.center()
         if written:
             self._es_push(written)
+        return {"written": sorted(written)}
 
     def es_update(self, payload: str) -> dict:
         """θ ← θ + Σ_s c_s ε(s) − decay·θ over `names` (default: all ES names), with the trainer's arithmetic (the
@@ -232,7 +239,7 @@ class ESWorkerExtension:
 
     def es_fingerprint(self, payload: str) -> dict:
         """{"fingerprint"} over the ES names of the weights vLLM holds now (θ, or the member's)."""
-        return {"fingerprint": weights_fingerprint(self._es_weights.params, self._es_names)}
+        return {"fingerprint": weights_hash({name: self._es_weights.params[name] for name in self._es_names})}
 
     @torch.no_grad()
     def _es_push(self, names: set[str]) -> None:
