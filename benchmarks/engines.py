@@ -110,7 +110,7 @@ def trl_es(spec: dict, out_dir: str) -> dict:
             self.seconds = time.perf_counter() - self.start
 
     if spec.get("reload_members"):  # vLLM as before in-place members: each one copied in by a whole-model reload
-        from trl_es.rollout.vllm_worker import ESWorkerExtension
+        from trl_es.generation.vllm_worker import ESWorkerExtension
 
         ESWorkerExtension._es_find_views = lambda self, model, working: None
     n, tokens = spec["population"], spec["tokens"]

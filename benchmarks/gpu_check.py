@@ -117,7 +117,7 @@ def peak_bytes() -> int:
 def plain_generate(trainer, options) -> tuple[float, int]:
     """Seconds and peak GPU bytes of one greedy batch of the prompts (what one member generates)."""
     rows = [row["prompt"] for row in prompts(options.prompts)]
-    rollout = trainer.rollout
+    rollout = trainer.generation
     ids = rollout.tokenize(rows)
     rollout.generate(rows, ids, 1, [0] * len(rows))  # warm-up
     synchronize()

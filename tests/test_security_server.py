@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from trl_es.rollout.vllm_worker import parse_payload
+from trl_es.generation.vllm_worker import parse_payload
 from trl_es.vllm_serve import TokenMiddleware, reachable_from_other_machines, serve_command
 
 

@@ -33,7 +33,7 @@ def upper_vocab_share(completion_ids, **kwargs):
 def greedy_reward(trainer, dataset):
     """Mean reward of the unperturbed model θ (not of the perturbed members) on `dataset`, greedy."""
     prompts = list(dataset["prompt"])
-    rollout = trainer.rollout.generate(prompts, trainer.rollout.tokenize(prompts), 1, [0] * len(prompts))
+    rollout = trainer.generation.generate(prompts, trainer.generation.tokenize(prompts), 1, [0] * len(prompts))
     return sum(upper_vocab_share(rollout.completion_ids)) / len(prompts)
 
 
@@ -132,7 +132,7 @@ def test_failing_reward_mid_population_restores_weights_bitwise(tmp_path, tiny_m
 def test_failing_generation_restores_half_precision_weights(tmp_path, tiny_model_dir, prompt_dataset, dtype):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype)
     trainer = ESTrainer(model, even_token_share, args=config(tmp_path), train_dataset=prompt_dataset)
-    real_generate, calls = trainer.rollout.generate, []
+    real_generate, calls = trainer.generation.generate, []
 
     def generate_then_fail(*args, **kwargs):
         calls.append(1)
@@ -140,7 +140,7 @@ def test_failing_generation_restores_half_precision_weights(tmp_path, tiny_model
             raise KeyboardInterrupt  # Ctrl-C while the second member generates
         return real_generate(*args, **kwargs)
 
-    trainer.rollout.generate = generate_then_fail
+    trainer.generation.generate = generate_then_fail
     before = weights(trainer.model)
     with pytest.raises(KeyboardInterrupt):
         trainer.train()

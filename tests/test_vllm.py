@@ -194,7 +194,7 @@ def test_vllm_serve_command(tmp_path):
     command = serve_command(["--model", "m", "--dtype", "float32"])
     assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     assert command[command.index("--host") + 1] == "127.0.0.1"  # local only unless asked
-    assert command[command.index("--worker-extension-cls") + 1] == "trl_es.rollout.vllm_worker.ESWorkerExtension"
+    assert command[command.index("--worker-extension-cls") + 1] == "trl_es.generation.vllm_worker.ESWorkerExtension"
     assert command[-2:] == ["--dtype", "float32"]
     with pytest.raises(SystemExit):
         serve_command(["--dtype", "float32"])  # no --model

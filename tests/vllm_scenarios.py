@@ -55,13 +55,13 @@ def run(out, model_dir, name, reward_funcs=reward, resume=None, **overrides):
 
 def worker_model(trainer):
     """The model inside the in-process vLLM engine (tests only: ES itself goes through collective_rpc)."""
-    return trainer.rollout.engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    return trainer.generation.engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
 
 
 def greedy_logprobs(trainer, prompt_ids):
     from vllm import SamplingParams
 
-    outputs = trainer.rollout.engine.llm.generate(
+    outputs = trainer.generation.engine.llm.generate(
         [{"prompt_token_ids": ids} for ids in prompt_ids],
         SamplingParams(temperature=0, max_tokens=4, logprobs=0),
         use_tqdm=False,
@@ -74,14 +74,14 @@ def colocate(out: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from trl_es.es import member_seed
-    from trl_es.rollout import TransformersRollout
+    from trl_es.generation import TransformersGeneration
 
     model_dir = build_tiny_model(out / "model", sys.argv[3], **VLLM_MODEL)
     results = {}
     hf, results["hf_rewards"], results["hf_seconds"] = run(out, model_dir, "hf")
     vl, results["vllm_rewards"], results["vllm_seconds"] = run(out, model_dir, "vllm", use_vllm=True)
     results["same_final_weights"] = fingerprint(hf.model) == fingerprint(vl.model)
-    results["members_in_place"] = vl.rollout.members_in_place
+    results["members_in_place"] = vl.generation.members_in_place
     eval_dataset = Dataset.from_dict({"prompt": PROMPTS[:4]})
     results["hf_eval"], results["vllm_eval"] = (
         {k: v for k, v in t.evaluate(eval_dataset).items() if k != "eval_runtime"} for t in (hf, vl)
@@ -98,9 +98,11 @@ def colocate(out: Path) -> dict:
 
     # members: the weights sent into vLLM equal the HF path's perturbed parameters, bitwise; the unpacked ones
     # inside vLLM too; vLLM generates what transformers generates from them; restore is exact
-    rollout = vl.rollout
-    reference = TransformersRollout(vl.model, rollout.tokenizer, rollout.generation_config, rollout.eos_token_ids)
-    prompt_ids = rollout.tokenize(PROMPTS)
+    generation = vl.generation
+    reference = TransformersGeneration(
+        vl.model, generation.tokenizer, generation.generation_config, generation.eos_token_ids
+    )
+    prompt_ids = generation.tokenize(PROMPTS)
     before = greedy_logprobs(vl, prompt_ids)
     vl.weights.start()
     local = vl.weights.local  # the trainer's own tensors, perturbed the same way for the comparison
@@ -123,7 +125,7 @@ def colocate(out: Path) -> dict:
                 "norm_equal": torch.equal(
                     inside.model.layers[1].input_layernorm.weight, vl.model.model.layers[1].input_layernorm.weight
                 ),
-                "completions_equal": rollout.generate(PROMPTS, prompt_ids, 2, [0] * 2 * len(PROMPTS)).completion_ids
+                "completions_equal": generation.generate(PROMPTS, prompt_ids, 2, [0] * 2 * len(PROMPTS)).completion_ids
                 == reference.generate(PROMPTS, prompt_ids, 2, [0] * 2 * len(PROMPTS)).completion_ids,
                 "moved": greedy_logprobs(vl, prompt_ids) != before,
             }
@@ -141,7 +143,7 @@ def colocate(out: Path) -> dict:
 
     # where vLLM's weights cannot be viewed by HF name (a tensor-parallel shard, say), members are copied in
     # through vLLM's loader: slower, same run, with a warning
-    from trl_es.rollout.vllm_worker import ESWorkerExtension
+    from trl_es.generation.vllm_worker import ESWorkerExtension
 
     ESWorkerExtension._es_find_views = lambda self, model, working: None
     with warnings.catch_warnings(record=True) as caught:
@@ -178,7 +180,7 @@ def colocate(out: Path) -> dict:
     results["failure_steps_done"] = trainer.state.global_step
     after_step_0 = fingerprint(trainer.model)
     results["failure_vllm_holds_theta"] = (
-        trainer.rollout.engine.rpc("es_fingerprint", {})[0]["fingerprint"] == after_step_0
+        trainer.generation.engine.rpc("es_fingerprint", {})[0]["fingerprint"] == after_step_0
     )
     return results
 

@@ -18,7 +18,12 @@ test suite runs on both ends of it (tests/test_compat.py, .ci/matrix).
 - `sampling_warpers(model, config)`: transformers' sampling warpers for `config` (temperature, top-k, top-p, min-p,
   typical-p, ε/η cutoffs, top-h, in transformers' order), from `GenerationMixin._get_logits_processor` (private, same
   signature in 5.16.1 and 5.19.0) given a config holding only the sampling fields; trl-es samples each row with its
-  own generator after them (`rollout.transformers_generate.SeededSampler`).
+  own generator after them (`generation.transformers_backend.SeededSampler`).
+- `parse_response(tokenizer, ids, prefix, tools)`: TRL's `chat_template_utils.parse_response` (public); TRL 1.14
+  takes no `tools`, which only types the parsed arguments, so they are passed where it accepts them.
+- `tool_suffix_ids(...)`: the tokens a chat template puts after an assistant turn for its tool results, from
+  `GRPOTrainer._get_tool_suffix_ids` (private, the same in TRL 1.14.2 and 1.16.0), called on a stand-in holding the
+  attributes it reads (`processing_class`, `_tokenizer`, `chat_template`, `chat_template_kwargs`, `_is_vlm`).
 - `TRAINER_HOOKS`: the Trainer methods ESTrainer overrides or calls, which transformers may rename in any release.
   `check_trainer_hooks()` verifies them (names and parameters) when ESTrainer is imported, so an unsupported
   transformers fails at once with the supported range instead of training wrongly.
@@ -76,6 +81,31 @@ def sampling_warpers(model, config: GenerationConfig):
     them (see the module docstring)."""
     only_sampling = GenerationConfig(do_sample=True, **{name: getattr(config, name, None) for name in SAMPLING_FIELDS})
     return model._get_logits_processor(generation_config=only_sampling, device=model.device)
+
+
+def parse_response(tokenizer, ids: list[int], prefix: list[int] | None = None, tools: list | None = None) -> dict:
+    """TRL's parse of a completion into an assistant message (with `tool_calls` when it calls tools)."""
+    from trl.chat_template_utils import parse_response as trl_parse_response
+
+    if "tools" in inspect.signature(trl_parse_response).parameters:
+        return trl_parse_response(tokenizer, ids, prefix=prefix, tools=tools)
+    return trl_parse_response(tokenizer, ids, prefix=prefix)
+
+
+def tool_suffix_ids(tokenizer, chat_template: str | None, chat_template_kwargs: dict | None, messages: list[dict]):
+    """The token ids that follow an assistant turn's end for the tool results `messages` (GRPOTrainer's)."""
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+
+    stand_in = SimpleNamespace(
+        processing_class=tokenizer,
+        _tokenizer=tokenizer,
+        chat_template=chat_template,
+        chat_template_kwargs=chat_template_kwargs or {},
+        _is_vlm=False,
+    )
+    return GRPOTrainer._get_tool_suffix_ids(stand_in, messages)
 
 
 def let_transformers_see_gguf() -> None:

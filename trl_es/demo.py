@@ -22,9 +22,9 @@ def held_out_accuracy(trainer, dataset) -> float:
     from .es.seeds import completion_seeds
     from .tasks import first_integer_reward
 
-    rollout = trainer.rollout
+    generation = trainer.generation
     prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
-    result = rollout.generate(prompts, rollout.tokenize(prompts), 1, completion_seeds(0, len(prompts), 1))
+    result = generation.generate(prompts, generation.tokenize(prompts), 1, completion_seeds(0, len(prompts), 1))
     rewards = first_integer_reward(result.completions, answers)
     return sum(r >= 1.0 for r in rewards) / len(rewards)
 

@@ -47,7 +47,7 @@ def all_reduce_summaries(
     return packed[: summaries.numel()].view_as(summaries), failed_ranks
 
 
-class Distribution:
+class Processes:
     """The trainer's processes (an Accelerate `accelerator`) and, under ZeRO-3, its partitioned θ."""
 
     def __init__(self, accelerator, zero_stage: int | None, timeout_s: float, n_slots: int):

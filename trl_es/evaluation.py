@@ -2,7 +2,7 @@
 
     trl-es eval --model smollm2 --model outputs/es --task gsm8k --n 8 --k 1,4,8 --limit 50 --out-dir outputs/eval
 
-For each model, n completions are sampled per problem (transformers `generate`, the trainer's rollout backend) and
+For each model, n completions are sampled per problem (transformers `generate`, the trainer's generation backend) and
 scored by the task's reward (correct ⇔ reward ≥ `SUCCESS_THRESHOLD`, `trl_es.tasks`). Per problem: the unbiased
 Pass@K, Maj@K over the extracted answers and the completions' token entropy (`trl_es.metrics`); the model's scores
 are their means. `evaluate_batch` is the one evaluation loop: `ESTrainer.evaluate` runs it too.
@@ -51,7 +51,7 @@ def score_problems(rows: list[dict], correct: list[bool], answers: list | None, 
 
 
 def evaluate_batch(
-    rollout,
+    generation,
     rows: list[dict],
     n: int,
     seed: int,
@@ -61,13 +61,13 @@ def evaluate_batch(
     success_threshold: float = SUCCESS_THRESHOLD,
     record_entropy: bool = True,
 ) -> dict:
-    """One batch of problems: n completions per row from `rollout` (sampling seed `seed`), rewarded by
+    """One batch of problems: n completions per row from `generation` (sampling seed `seed`), rewarded by
     `rewards_of(rows, completions)` (a tensor, NaN = no reward); a completion is correct when its reward is ≥
     `success_threshold`. Returns the batch's record: the problems' summed Pass@K (and Maj@K over the answers
     `extract` finds), the sums of rewards, tokens and token entropies, and each completion's verdict and answer."""
     prompts = [row["prompt"] for row in rows]
-    result = rollout.generate(
-        prompts, rollout.tokenize(prompts), n, completion_seeds(seed, len(rows), n), record_entropy
+    result = generation.generate(
+        prompts, generation.tokenize(prompts), n, completion_seeds(seed, len(rows), n), record_entropy
     )
     rewards = torch.as_tensor(rewards_of(rows, result), dtype=torch.float64)
     correct = (rewards >= success_threshold).tolist()
@@ -151,11 +151,11 @@ def evaluate_model(
     batch to `records_path` (resuming from the batches already there), and return the model's scores."""
     from transformers import GenerationConfig
 
-    from .rollout import TransformersRollout
+    from .generation import TransformersGeneration
 
     done = _read_records(records_path, settings)
     model, tokenizer, eos_ids = _load(model_path)
-    generation = GenerationConfig(
+    config = GenerationConfig(
         max_new_tokens=settings["max_completion_length"],
         do_sample=True,
         temperature=settings["temperature"],
@@ -165,7 +165,7 @@ def evaluate_model(
         eos_token_id=eos_ids,
         disable_compile=True,
     )
-    rollout = TransformersRollout(model, tokenizer, generation, eos_ids)
+    generation = TransformersGeneration(model, tokenizer, config, eos_ids)
     start, n_batches = time.perf_counter(), -(-len(dataset) // batch_size)
     with open(records_path, "a") as out:
         if not done:
@@ -176,7 +176,7 @@ def evaluate_model(
             rows = dataset.select(range(b * batch_size, min((b + 1) * batch_size, len(dataset)))).to_list()
             with torch.no_grad():
                 record = evaluate_batch(
-                    rollout,
+                    generation,
                     rows,
                     n,
                     eval_seed(settings["seed"], 0, b * batch_size),

@@ -79,17 +79,19 @@ class ReportingMixin:
         extract = get_task(args.eval_task).extract_answer if args.eval_task else None
         rank, world, size = accelerator.process_index, accelerator.num_processes, args.per_device_eval_batch_size
         rows, records = list(dataset)[rank::world], []
-        options = (args.eval_k, extract, args.success_threshold, self.rollout.records_entropy)
-        rewards_of = lambda rows, rollout: self.reward_functions.combine(self._rewards(rows, rollout))  # noqa: E731
+        options = (args.eval_k, extract, args.success_threshold, self.generation.records_entropy)
+        rewards_of = lambda rows, generated: self.reward_functions.combine(self._rewards(rows, generated))  # noqa: E731
         self.weights.start()
         with self._full_parameters():
             for start in range(0, len(rows), size):
                 seed = eval_seed(args.seed, self.state.global_step, rank + start * world)  # the chunk's first problem
-                records.append(evaluate_batch(self.rollout, rows[start : start + size], n, seed, rewards_of, *options))
+                records.append(
+                    evaluate_batch(self.generation, rows[start : start + size], n, seed, rewards_of, *options)
+                )
         reduce = lambda totals: accelerator.reduce(totals.to(accelerator.device), "sum").cpu()  # noqa: E731
         summary = summarize_records(records, args.eval_k, extract is not None, reduce)
         metrics = {f"{metric_key_prefix}_{key}": value for key, value in summary.items() if key != "problems"}
-        if not self.rollout.records_entropy:
+        if not self.generation.records_entropy:
             del metrics[f"{metric_key_prefix}_mean_token_entropy"]
         metrics[f"{metric_key_prefix}_runtime"] = round(time.perf_counter() - start_time, 4)
         super().log(metrics)  # not self.log, which would fold pending training metrics into this record

@@ -49,7 +49,7 @@ class SavingMixin:
         weights backend and the search space take the checkpoint's state."""
         with self._full_parameters():
             super()._load_from_checkpoint(resume_from_checkpoint, model)
-            self.distribution.write_shards(self.model.parameters())
+            self.processes.write_shards(self.model.parameters())
         self.weights.loaded(resume_from_checkpoint)
         self.space.load_state(resume_from_checkpoint)
         if os.path.isfile(os.path.join(resume_from_checkpoint, CHAIN_FILE)):  # else a new chain starts from here

@@ -4,7 +4,7 @@ One ES step (`_es_step`) reads top to bottom: the search space asks for the step
 its share of them (form the member, generate, score); one all-reduce gathers every member's rewards; they are shaped
 into fitness; the search space is told, which is the update; the step's metrics are logged. What a member is lives in
 the search space (`trl_es.es.space`), where its weights are written in the weights backend (`trl_es.es.weights`,
-vLLM's in `trl_es.rollout`), how processes share the work in `trl_es.distributed`, logs and evaluation in
+vLLM's in `trl_es.generation`), how processes share the work in `trl_es.distributed`, logs and evaluation in
 `trl_es.reporting`, checkpoints and saving in `trl_es.saving`. transformers' Trainer supplies data, logging, callbacks, checkpoints and the Hub; its optimizer is a
 placeholder that only carries α_t.
 """
@@ -25,15 +25,15 @@ from trl.trainer.utils import get_config_model_id, identity
 from .chains import new_chain
 from .compat import BaseTrainer, check_trainer_hooks
 from .config import ESConfig
-from .distributed import Distribution
+from .distributed import Processes
 from .es import SearchSpace, search_space, select_parameters, shape_fitness
 from .es.seeds import completion_seeds, sampling_seed
 from .es.space import step_optimizer
+from .generation import make_backend
 from .loading import check_eval_dataset, check_model_type, check_prompt_dataset, load_starting_model, prepare_model
 from .population import DistanceFromStart, SummaryLayout, member_rewards, population_metrics, summarize
 from .reporting import ReportingMixin
 from .rewards import RewardFunctions
-from .rollout import make_backend
 from .saving import SavingMixin
 
 
@@ -146,11 +146,11 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         self.is_deepspeed_enabled = False
         n_slots = args.population_size + (args.es_baseline == "center")
-        self.distribution = Distribution(self.accelerator, zero_stage, args.ddp_timeout, n_slots)
+        self.processes = Processes(self.accelerator, zero_stage, args.ddp_timeout, n_slots)
         self.model.add_model_tags(self._tag_names)
         self.reward_functions.to(self.accelerator.device)
         self.es_params = select_parameters(self.model.named_parameters(), args.es_parameter_patterns)
-        self.rollout, self.weights = make_backend(
+        self.generation, self.weights = make_backend(
             self.model, processing_class, eos_ids, args, self.accelerator, self.es_params, zero_stage
         )
         self.space = self._make_search_space()
@@ -160,10 +160,10 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
 
     def _make_search_space(self) -> SearchSpace:
         """The search space `es_search_space` names (`trl_es.es.space.SEARCH_SPACES`), built from ESConfig."""
-        if self.args.es_optimizer and self.distribution.zero_stage == 3:
+        if self.args.es_optimizer and self.processes.zero_stage == 3:
             raise ValueError("es_optimizer with ZeRO-3: the optimizer would step on partitioned θ; use ZeRO-2 or none")
         space = search_space(self.args.es_search_space)
-        space.check_setup(self.args, self.distribution.zero_stage)
+        space.check_setup(self.args, self.processes.zero_stage)
         if not isinstance(self.weights, space.backend):
             raise ValueError(
                 f"es_search_space={space.name!r} needs a {space.backend.__name__} weights backend, and this run's is "
@@ -174,7 +174,9 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
     # GRPOTrainer's public attributes, with the same meaning
     reward_funcs = property(lambda self: self.reward_functions.funcs, doc="The reward functions and models.")
     reward_func_names = property(lambda self: self.reward_functions.names, doc="Their names, as in the logs.")
-    reward_weights = property(lambda self: self.reward_functions.weights, doc="Their weights (a float32 tensor).")
+    reward_weights = property(
+        lambda self: self.reward_functions.reward_weights, doc="Their weights (a float32 tensor)."
+    )
     reward_processing_classes = property(
         lambda self: self.reward_functions.processing_classes, doc="The reward models' tokenizers (None: callables)."
     )
@@ -200,12 +202,12 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """Trainer's hook (see `compat.TRAINER_HOOKS`) that wraps the model and builds the optimizer and scheduler; ES
-        never back-propagates, so the model is prepared for inference only (`Distribution.prepare`)."""
+        never back-propagates, so the model is prepared for inference only (`Processes.prepare`)."""
         if getattr(self, "_created_lr_scheduler", False):
             self.lr_scheduler, self._created_lr_scheduler = None, False
         self.create_optimizer()
         self.create_scheduler(num_training_steps=max_steps, optimizer=self.optimizer)
-        self.model_wrapped = self.distribution.prepare(self.model, self.model_wrapped)
+        self.model_wrapped = self.processes.prepare(self.model, self.model_wrapped)
         if resume_from_checkpoint is not None:
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
         for attr in ("model", "optimizer", "lr_scheduler"):
@@ -214,7 +216,7 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
 
     def _full_parameters(self):
         """Context in which this process holds all of θ (gathered under ZeRO-3)."""
-        return self.distribution.full_parameters(self.model, self.model_wrapped)
+        return self.processes.full_parameters(self.model, self.model_wrapped)
 
     def floating_point_ops(self, inputs) -> int:
         return 0  # no forward/backward FLOPs in Trainer's sense
@@ -288,7 +290,7 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
             try:
                 summaries = self._evaluate_population(rows, step, slots, times)
                 timer = time.perf_counter()
-                weights, aggregation = self.reward_functions.weights, args.multi_objective_aggregation
+                weights, aggregation = self.reward_functions.reward_weights, args.multi_objective_aggregation
                 rewards = member_rewards(summaries[len(slots) - len(members) :], weights, aggregation)
                 center = summaries[0, SummaryLayout.reward].item() if len(slots) > len(members) else None
                 baseline = center if center is not None and center == center else 0.0  # a NaN centre: no baseline
@@ -315,19 +317,19 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
                 self.weights.restore()
                 raise
             self._log_step(summaries[len(slots) - len(members) :], len(rows), center, outcome, times)
-            self.distribution.write_shards(self.es_params.values())
+            self.processes.write_shards(self.es_params.values())
 
     def _evaluate_population(self, rows: list[dict], step: int, slots: list, times: dict) -> torch.Tensor:
         """Evaluate this process's share of the step's slots, in generate calls of `members_per_call` members each,
         and return every slot's summary row (all processes', after the step's one all-reduce)."""
         args, n = self.args, self.args.num_generations
         prompts = [row["prompt"] for row in rows]
-        prompt_ids = self.rollout.tokenize(prompts)
+        prompt_ids = self.generation.tokenize(prompts)
         layout = SummaryLayout(len(self.reward_functions.names), len(rows))
         summaries = torch.zeros(len(slots), layout.width, dtype=torch.float64)
         first_member, error = sum(slot is None for slot in slots), None
         try:
-            mine = self.distribution.slots(len(slots))
+            mine = self.processes.slots(len(slots))
             per_call = self.space.members_per_call(len(mine))
             for start in range(0, len(mine), per_call):
                 part = mine[start : start + per_call]
@@ -338,15 +340,15 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
                     timer = time.perf_counter()
                     route([j for j in range(len(part)) for _ in range(len(rows) * n)])
                     batch = [prompts * len(part), prompt_ids * len(part)]
-                    rollout = self.rollout.generate(*batch, n, seeds, args.log_completion_entropy)
+                    generated = self.generation.generate(*batch, n, seeds, args.log_completion_entropy)
                 self._metrics["es/time/generate"].extend([(time.perf_counter() - timer) / len(part)] * len(part))
                 for j, s in enumerate(part):
-                    member_rollout = rollout.select(j * len(rows) * n, (j + 1) * len(rows) * n)
-                    self._score(s, slots[s] is None, step, rows, member_rollout, summaries)
+                    member_completions = generated.select(j * len(rows) * n, (j + 1) * len(rows) * n)
+                    self._score(s, slots[s] is None, step, rows, member_completions, summaries)
         except Exception as exc:  # reported to the other processes by the all-reduce, then raised
             error = exc
         timer = time.perf_counter()
-        summaries = self.distribution.exchange(summaries, error, step)
+        summaries = self.processes.exchange(summaries, error, step)
         times["communication"] = time.perf_counter() - timer
         return summaries
 
@@ -356,14 +358,14 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         key = "common" if self.args.common_generation_seed else "center" if member < 0 else member
         return completion_seeds(sampling_seed(self.args.seed, step, key), n_prompts, self.args.num_generations)
 
-    def _score(self, s: int, is_center: bool, step: int, rows: list[dict], rollout, summaries: torch.Tensor) -> None:
+    def _score(self, s: int, is_center: bool, step: int, rows: list[dict], generated, summaries: torch.Tensor) -> None:
         """Score slot `s`'s completions and write its summary row: the member reward R (mean completion reward) and
         the rest `summarize` keeps. Keeps the completions table of this process's first member for `log`."""
         timer, extras = time.perf_counter(), defaultdict(list)
         log_metric = lambda name, value: self._metrics[name].append(value)  # noqa: E731
-        per_func = self._rewards(rows, rollout, log_metric, lambda column, values: extras[column].extend(values))
+        per_func = self._rewards(rows, generated, log_metric, lambda column, values: extras[column].extend(values))
         if self.args.mask_truncated_completions:  # cut completions get no reward, as GRPO leaves them out of its loss
-            per_func[torch.tensor(rollout.truncated, dtype=torch.bool)] = float("nan")
+            per_func[torch.tensor(generated.truncated, dtype=torch.bool)] = float("nan")
         combined = self.reward_functions.combine(per_func)
         reward = combined.nanmean().item()
         self._metrics["es/time/reward"].append(time.perf_counter() - timer)
@@ -371,14 +373,14 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         summaries[s] = summarize(
             reward,
             torch.cat([combined[:, None], per_func], dim=1),
-            [len(ids) for ids in rollout.completion_ids],
-            rollout.truncated,
-            sum(rollout.entropy_sums) if rollout.entropy_sums else 0.0,
+            [len(ids) for ids in generated.completion_ids],
+            generated.truncated,
+            sum(generated.entropy_sums) if generated.entropy_sums else 0.0,
             success,
         )
         if not is_center and self._completions_step != step:
             table = {name: per_func[:, k].tolist() for k, name in enumerate(self.reward_functions.names)}
-            self._last_completions = (rollout.prompts, rollout.completions, table, dict(extras))
+            self._last_completions = (generated.prompts, generated.completions, table, dict(extras))
             self._completions_step = step
 
     def _log_step(self, members: torch.Tensor, n_prompts: int, center, outcome: dict, times: dict) -> None:
@@ -393,14 +395,14 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         for name, value in step.items():
             metrics[name].append(value)
 
-    def _rewards(self, rows: list[dict], rollout, log_metric=lambda *_: None, log_extra=lambda *_: None):
-        """Each reward function's rewards of `rollout`'s completions (GRPOTrainer's contract: `trl_es.rewards`)."""
-        repeats = len(rollout.completions) // len(rows)
+    def _rewards(self, rows: list[dict], generated, log_metric=lambda *_: None, log_extra=lambda *_: None):
+        """Each reward function's rewards of `generated`'s completions (GRPOTrainer's contract: `trl_es.rewards`)."""
+        repeats = len(generated.completions) // len(rows)
         return self.reward_functions(
             [row for row in rows for _ in range(repeats)],
-            rollout.prompts,
-            rollout.completions,
-            rollout.completion_ids,
+            generated.prompts,
+            generated.completions,
+            generated.completion_ids,
             trainer_state=self.state,
             log_metric=log_metric,
             log_extra=log_extra,

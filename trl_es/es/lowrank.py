@@ -148,7 +148,7 @@ class LowRankPopulation:
 
 @torch.no_grad()
 def lowrank_update(
-    weights: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor],
     directions: list[tuple[int, int]],
     fitness: torch.Tensor,
     learning_rate: float,
@@ -161,7 +161,7 @@ def lowrank_update(
     float32 matmul [c_1·A_1 … c_S·A_S]·[B_1 … B_S]ᵀ/√r, added in float32 and cast to the weight dtype once.
     Returns ‖Δθ‖₂ of the float32 update.
     """
-    return apply_lowrank_update(weights, update_coefficients(fitness, directions, learning_rate, n_members), rank)
+    return apply_lowrank_update(tensors, update_coefficients(fitness, directions, learning_rate, n_members), rank)
 
 
 def lowrank_delta(name: str, weight: torch.Tensor, coefficients: dict[int, float], rank: int) -> torch.Tensor:
@@ -172,11 +172,11 @@ def lowrank_delta(name: str, weight: torch.Tensor, coefficients: dict[int, float
 
 
 @torch.no_grad()
-def apply_lowrank_update(weights: dict[str, torch.Tensor], coefficients: dict[int, float], rank: int = 1) -> float:
+def apply_lowrank_update(tensors: dict[str, torch.Tensor], coefficients: dict[int, float], rank: int = 1) -> float:
     """W ← W + Σ_s c_s·A_s·B_sᵀ/√r for each weight, in place (the coefficients already hold α/N·Σ z·sign), added in
     float32 and cast to the weight dtype once. Returns ‖Δθ‖₂."""
     squared_norm = 0.0
-    for name, weight in weights.items():
+    for name, weight in tensors.items():
         delta = lowrank_delta(name, weight, coefficients, rank)
         squared_norm += float(delta.square().sum())
         updated = (weight.float() + delta).to(weight.dtype)
@@ -187,11 +187,11 @@ def apply_lowrank_update(weights: dict[str, torch.Tensor], coefficients: dict[in
 
 
 @torch.no_grad()
-def write_lowrank_gradient(weights: dict[str, torch.nn.Parameter], coefficients: dict[int, float], rank: int = 1):
+def write_lowrank_gradient(tensors: dict[str, torch.nn.Parameter], coefficients: dict[int, float], rank: int = 1):
     """W.grad ← −Σ_s c_s·A_s·B_sᵀ/√r for each weight (c_s = sign·z/(N·σ): minus the ES gradient estimate), for an
     optimizer; returns ‖ĝ‖₂."""
     squared_norm = 0.0
-    for name, weight in weights.items():
+    for name, weight in tensors.items():
         estimate = lowrank_delta(name, weight, coefficients, rank)
         squared_norm += float(estimate.square().sum())
         if not torch.isfinite(estimate).all():
@@ -274,10 +274,10 @@ class LowRankSpace(SearchSpace):
         pairs, n_valid = [(m.seed, m.sign) for m in members], int((~torch.isnan(rewards)).sum())
         coefficients = update_coefficients(fitness, pairs, 1 / self.sigma if self.gradient else learning_rate, n_valid)
         record = {"coefficients": [[seed, c] for seed, c in coefficients.items()]}
-        weights = {name: self.weights.params[name] for name in self.targets}  # the trainer's tensors, in place
+        tensors = {name: self.weights.params[name] for name in self.targets}  # the trainer's, written in place
         if self.gradient:
-            return {"es/gradient_norm": write_lowrank_gradient(weights, coefficients, self.rank)}, record
-        return {"es/update_norm": apply_lowrank_update(weights, coefficients, self.rank)}, record
+            return {"es/gradient_norm": write_lowrank_gradient(tensors, coefficients, self.rank)}, record
+        return {"es/update_norm": apply_lowrank_update(tensors, coefficients, self.rank)}, record
 
     def chain_header(self) -> dict:
         return {"kind": self.name, "rank": self.rank, "targets": list(self.targets)}

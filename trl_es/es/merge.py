@@ -99,11 +99,11 @@ def merge(
     for name, theta in base.items():
         if name not in groups:
             raise ValueError(f"parameter {name!r} has no layer group")
-        weights = coefficients[:, groups[name]].to(device=theta.device, dtype=torch.float32)
+        mix = coefficients[:, groups[name]].to(device=theta.device, dtype=torch.float32)  # c[:, l], one per τ_k
         devices = [] if theta.device.type == "cpu" else [theta.device]
         with torch.random.fork_rng(devices=devices, device_type=theta.device.type):
             torch.manual_seed(merge_seed(seed, name))
-            delta = _import("peft.utils.merge_utils").dare_ties([vector[name] for vector in vectors], weights, density)
+            delta = _import("peft.utils.merge_utils").dare_ties([vector[name] for vector in vectors], mix, density)
         merged[name] = (theta.float() + delta).to(theta.dtype)
     return merged
 

@@ -1,6 +1,6 @@
 """Weights backends: where a member's weights are written, stated as protocols. `WeightsBackend` is what every
 backend does; `TrainerWeights` adds what only a backend over the trainer's own tensors can. `LocalWeights` (here)
-is the trainer's and satisfies both; `trl_es.rollout.vllm_generate.VLLMWeights` writes members into vLLM's workers
+is the trainer's and satisfies both; `trl_es.generation.vllm_backend.VLLMWeights` writes members into vLLM's workers
 and satisfies `WeightsBackend`. A search space names the protocol it needs (`SearchSpace.backend`); the trainer
 refuses a backend that lacks it.
 """

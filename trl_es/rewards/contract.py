@@ -125,7 +125,7 @@ class RewardFunctions:
             raise ValueError(
                 f"Number of reward weights ({len(reward_weights)}) must match number of reward functions ({len(funcs)})"
             )
-        self.weights = torch.tensor(reward_weights or [1.0] * len(funcs), dtype=torch.float32)
+        self.reward_weights = torch.tensor(reward_weights or [1.0] * len(funcs), dtype=torch.float32)
 
         self.processing_classes = _reward_tokenizers(funcs, reward_processing_classes, trust_remote_code)
         self.chat_template_kwargs = chat_template_kwargs or {}
@@ -204,13 +204,13 @@ class RewardFunctions:
 
     def combine(self, rewards: torch.Tensor) -> torch.Tensor:
         """Per-completion reward: Σ_f w_f·r_f over the non-NaN r_f; NaN when every function returned None."""
-        weighted = (rewards * self.weights.unsqueeze(0)).nansum(dim=1)
+        weighted = (rewards * self.reward_weights.unsqueeze(0)).nansum(dim=1)
         none = torch.isnan(rewards).all(dim=1)
         if not torch.isfinite(weighted[~none]).all():
             k = int((~torch.isfinite(weighted) & ~none).nonzero()[0])
             raise ValueError(
                 f"The weighted sum of the rewards of completion {k} is not finite in float32: "
-                f"{dict(zip(self.names, rewards[k].tolist(), strict=True))} with reward_weights {self.weights.tolist()}"
+                f"{dict(zip(self.names, rewards[k].tolist(), strict=True))} with reward_weights {self.reward_weights.tolist()}"
             )
         weighted[none] = math.nan
         return weighted

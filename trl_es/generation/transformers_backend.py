@@ -22,7 +22,7 @@ from ..metrics import token_entropy
 
 
 @dataclass
-class Rollout:
+class Completions:
     """Completions for `prompts` repeated `num_generations` times each (prompt-major order)."""
 
     prompts: list
@@ -31,10 +31,10 @@ class Rollout:
     truncated: list[bool]
     entropy_sums: list[float] | None = None  # Σ over each completion's tokens of H(π(·|x_<t)), when recorded
 
-    def select(self, start: int, end: int) -> Rollout:
+    def select(self, start: int, end: int) -> Completions:
         """Completions start..end-1 (e.g. one member's rows of a batched population)."""
         entropy = None if self.entropy_sums is None else self.entropy_sums[start:end]
-        return Rollout(
+        return Completions(
             self.prompts[start:end],
             self.completions[start:end],
             self.completion_ids[start:end],
@@ -83,7 +83,7 @@ def greedy_config(config: GenerationConfig) -> GenerationConfig:
     return config
 
 
-class TransformersRollout:
+class TransformersGeneration:
     """Tokenizes prompts as GRPOTrainer does (chat template for conversational prompts, plain text otherwise),
     generates in one left-padded batch, and cuts each completion after its first EOS."""
 
@@ -142,12 +142,12 @@ class TransformersRollout:
 
     def generate(
         self, prompts: list, prompt_ids: list[list[int]], num_generations: int, seeds: list[int], record_entropy=False
-    ) -> Rollout:
+    ) -> Completions:
         """`num_generations` completions of each prompt (prompt-major order), completion r sampled with `seeds[r]`
         (`trl_es.es.seeds.completion_seeds`); with `record_entropy`, also each completion's summed token entropy."""
         rows = [ids for ids in prompt_ids for _ in range(num_generations)]
         completion_ids, truncated, entropy_sums = self.generate_ids(rows, seeds, record_entropy)
-        return self.rollout(prompts, num_generations, completion_ids, truncated, entropy_sums)
+        return self.completions(prompts, num_generations, completion_ids, truncated, entropy_sums)
 
     @torch.no_grad()
     def generate_ids(
@@ -200,8 +200,8 @@ class TransformersRollout:
             entropy_sums = [float(per_step[row, : len(ids)].sum()) for row, ids in enumerate(completion_ids)]
         return completion_ids, truncated, entropy_sums
 
-    def rollout(self, prompts, num_generations, completion_ids, truncated, entropy_sums=None) -> Rollout:
-        """The Rollout of `completion_ids` (each ending with its EOS unless truncated), decoded as GRPOTrainer does:
+    def completions(self, prompts, num_generations, completion_ids, truncated, entropy_sums=None) -> Completions:
+        """The Completions of `completion_ids` (each ending with its EOS unless truncated), decoded as GRPOTrainer does:
         text for text prompts, an assistant message for conversational ones."""
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         repeated_prompts = [p for p in prompts for _ in range(num_generations)]
@@ -209,4 +209,4 @@ class TransformersRollout:
             completions = [[{"role": "assistant", "content": text}] for text in texts]
         else:
             completions = texts
-        return Rollout(repeated_prompts, completions, completion_ids, truncated, entropy_sums)
+        return Completions(repeated_prompts, completions, completion_ids, truncated, entropy_sums)

@@ -5,8 +5,8 @@ served) whose workers hold the members' weights."""
 from transformers import GenerationConfig
 
 from ..es.weights import LocalWeights
-from .transformers_generate import Rollout, TransformersRollout
-from .vllm_generate import VLLMRollout, VLLMWeights, require_vllm
+from .transformers_backend import Completions, TransformersGeneration
+from .vllm_backend import VLLMGeneration, VLLMWeights, require_vllm
 
 
 def generation_config(args, tokenizer, eos_token_ids: list[int]) -> GenerationConfig:
@@ -31,10 +31,10 @@ def generation_config(args, tokenizer, eos_token_ids: list[int]) -> GenerationCo
 def make_backend(model, tokenizer, eos_token_ids, args, accelerator, params, zero_stage):
     """(generation backend, weights backend) for ESConfig's `use_vllm` / `vllm_mode`: transformers `generate` and
     `LocalWeights` over `params`, or vLLM and `VLLMWeights` (the trainer's tensors take the same updates)."""
-    rollout_args = (model, tokenizer, generation_config(args, tokenizer, eos_token_ids), eos_token_ids)
+    generation_args = (model, tokenizer, generation_config(args, tokenizer, eos_token_ids), eos_token_ids)
     local = LocalWeights(params, args.seed, args.noise_table_size, storage_device="cpu")
     if not args.use_vllm:
-        return TransformersRollout(*rollout_args, args.chat_template_kwargs), local
+        return TransformersGeneration(*generation_args, args.chat_template_kwargs), local
     if args.vllm_mode == "colocate":  # a server runs vLLM in its own environment; the trainer only talks HTTP
         require_vllm()
     if zero_stage == 3:
@@ -44,14 +44,14 @@ def make_backend(model, tokenizer, eos_token_ids, args, accelerator, params, zer
             f"vllm_mode='server' with {accelerator.num_processes} processes: a server holds one member's weights at "
             "a time, so one training process drives it. Use one process, or vllm_mode='colocate'."
         )
-    rollout = VLLMRollout(*rollout_args, args.chat_template_kwargs, args, accelerator)
-    return rollout, VLLMWeights(local, rollout)
+    generation = VLLMGeneration(*generation_args, args.chat_template_kwargs, args, accelerator)
+    return generation, VLLMWeights(local, generation)
 
 
 __all__ = [
-    "Rollout",
-    "TransformersRollout",
-    "VLLMRollout",
+    "Completions",
+    "TransformersGeneration",
+    "VLLMGeneration",
     "VLLMWeights",
     "generation_config",
     "make_backend",

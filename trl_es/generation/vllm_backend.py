@@ -4,7 +4,7 @@
 `vllm_mode="server"` the trainer talks to `trl-es vllm-serve` (vLLM's own `vllm serve` with the ES worker
 extension): seeds and update coefficients over `POST /collective_rpc`, prompts over the OpenAI-compatible
 `/v1/completions`. Either way only seeds and scalars travel per member, never weights
-(`trl_es.rollout.vllm_worker` does the perturbing inside vLLM's workers).
+(`trl_es.generation.vllm_worker` does the perturbing inside vLLM's workers).
 
 Sampling follows the trainer's `GenerationConfig` (greedy when `do_sample=False`); every completion is its own
 request with its own seed (`trl_es.es.seeds.completion_seed`), so common random numbers hold as on the transformers
@@ -27,10 +27,10 @@ import torch
 from transformers import GenerationConfig
 
 from ..es.weights import LocalWeights
-from .transformers_generate import TransformersRollout
+from .transformers_backend import TransformersGeneration
 
 
-WORKER_EXTENSION = "trl_es.rollout.vllm_worker.ESWorkerExtension"
+WORKER_EXTENSION = "trl_es.generation.vllm_worker.ESWorkerExtension"
 TOKEN_VARIABLE = "TRL_ES_VLLM_TOKEN"
 """The environment variable that carries the token of `trl-es vllm-serve` (to the server and to the trainer)."""
 INSTALL_HINT = (
@@ -203,7 +203,7 @@ class _Server:
         self._post("/reset_prefix_cache")
 
 
-class VLLMRollout(TransformersRollout):
+class VLLMGeneration(TransformersGeneration):
     """Generation through vLLM, plus the member's weights inside vLLM: `start` (θ and the noise table),
     `perturb` (θ + scale·ε(seed) over names), `restore` (θ), `update` (the ES update from seeds and coefficients).
     Tokenization and the completions' form are the transformers backend's. vLLM returns no full next-token
@@ -313,13 +313,13 @@ class VLLMWeights:
     the update's norm. vLLM receives θ at `start`, from the trainer's tensors or, when resuming a served run, from
     the checkpoint's files."""
 
-    def __init__(self, local: LocalWeights, rollout: VLLMRollout):
-        self.local, self.rollout, self.params = local, rollout, local.params
+    def __init__(self, local: LocalWeights, generation: VLLMGeneration):
+        self.local, self.generation, self.params = local, generation, local.params
         self.started, self.checkpoint = False, None
 
     def start(self) -> None:
         if not self.started:
-            self.rollout.start(self.local, self.checkpoint)
+            self.generation.start(self.local, self.checkpoint)
             self.started = True
 
     def loaded(self, checkpoint: str) -> None:
@@ -333,31 +333,31 @@ class VLLMWeights:
         self.local.capture()
 
     def member(self, seed: int, scale: float, names: list[str] | None = None) -> set[str]:
-        return self.rollout.perturb(seed, scale, names)
+        return self.generation.perturb(seed, scale, names)
 
     def center(self) -> set[str]:
-        return self.rollout.restore()
+        return self.generation.restore()
 
     def restore(self) -> None:
         self.local.restore()
-        self.rollout.restore()
+        self.generation.restore()
 
     def update(self, coefficients: dict[int, float], decay: float = 0.0, names: list[str] | None = None) -> float:
         """The update on both sides; their norms must agree, and a served engine (which other clients could reach)
         must then hold the trainer's weights bitwise (fingerprints compared)."""
         norm = self.local.update(coefficients, decay, names)
-        vllm_norm = self.rollout.update(coefficients, decay, names)
+        vllm_norm = self.generation.update(coefficients, decay, names)
         if abs(vllm_norm - norm) > 1e-5 * max(norm, 1e-12):
             raise RuntimeError(
                 f"vLLM's update (‖Δθ‖ = {vllm_norm}) differs from the trainer's ({norm}): its weights no longer "
                 "follow the trainer's"
             )
-        if self.rollout.served and self.fingerprint() != self.local.fingerprint():
+        if self.generation.served and self.fingerprint() != self.local.fingerprint():
             raise RuntimeError(
-                f"the weights served at {self.rollout.engine.url} differ from the trainer's after the update: another "
+                f"the weights served at {self.generation.engine.url} differ from the trainer's after the update: another "
                 "client changed them. Training stops; resume from the last checkpoint once the server is yours alone."
             )
         return norm
 
     def fingerprint(self) -> str:
-        return self.rollout.engine.rpc("es_fingerprint", {})[0]["fingerprint"]
+        return self.generation.engine.rpc("es_fingerprint", {})[0]["fingerprint"]
