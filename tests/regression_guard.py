@@ -22,8 +22,8 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
-from conftest import build_tiny_model, es_config  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from helpers import build_tiny_model, es_config  # noqa: E402
 
 
 MODEL = dict(hidden_size=64, intermediate_size=128, initializer_range=0.3, max_position_embeddings=128)

@@ -58,7 +58,7 @@ def test_kl_drift_is_zero_for_the_same_weights_and_grows_with_change(tiny_model_
 def test_kl_drift_of_a_tiny_update_is_never_negative(tmp_path, tokenizer_dir):
     """KL ≥ 0 by definition; summed in float32, the rounding of a near-zero update made it negative (-9e-9 in a
     study run, -3e-8 here: peaked next-token distributions of a model with large weights, a 1e-7 drift)."""
-    from conftest import build_tiny_model
+    from helpers import build_tiny_model
 
     path = build_tiny_model(tmp_path / "model", tokenizer_dir, initializer_range=0.3)
     tokenizer = AutoTokenizer.from_pretrained(path)

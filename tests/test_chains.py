@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 import torch
-from conftest import es_config
 from datasets import Dataset
+from helpers import es_config
 
 from trl_es import ESTrainer, load_chain
 from trl_es.chains import replay

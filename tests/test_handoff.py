@@ -86,7 +86,7 @@ def grpo_lora_checkpoint(tmp_path_factory, tiny_model_dir):
 
 
 def test_es_starts_from_a_grpo_lora_checkpoint_merged_or_adapter_only(tmp_path, grpo_lora_checkpoint, prompt_dataset):
-    from conftest import es_config
+    from helpers import es_config
     from peft import PeftModel
 
     from trl_es import ESTrainer
@@ -121,7 +121,7 @@ def test_bad_starting_points_are_clear_errors(tmp_path, grpo_lora_checkpoint, ti
     import json
     import shutil
 
-    from conftest import es_config
+    from helpers import es_config
     from transformers import AddedToken
 
     from trl_es import ESTrainer
@@ -169,7 +169,7 @@ def test_bad_starting_points_are_clear_errors(tmp_path, grpo_lora_checkpoint, ti
 
 
 def test_es_starts_from_a_full_grpo_checkpoint(tmp_path, tiny_model_dir, prompt_dataset):
-    from conftest import es_config
+    from helpers import es_config
     from trl import GRPOConfig, GRPOTrainer
 
     from trl_es import ESTrainer

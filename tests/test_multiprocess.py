@@ -8,48 +8,20 @@ The launch line is the one that really starts two CPU processes (checked on a 2-
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny_model
+from helpers import accelerate_launch, build_tiny_model, free_port
 from transformers import AutoModelForCausalLM
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 SCRIPT = Path(__file__).parent / "multiprocess_es.py"
 CONFIGS = Path(__file__).parents[1] / "examples" / "accelerate"
 EXTENSIONS = Path(__file__).parents[1] / "build" / "torch_extensions"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def accelerate_launch(num_processes: int, *command: str, backend=("--multi_gpu",), cwd=None, env=None):
-    launch = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        *backend,
-        "--num_processes",
-        str(num_processes),
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(free_port()),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), **(env or {})}
-    return subprocess.run([*launch, *command], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
 
 
 def run_script(

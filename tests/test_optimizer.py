@@ -5,8 +5,8 @@ stays the plain update (the regression guard holds its hashes; 1 vs 2 processes:
 
 import pytest
 import torch
-from conftest import es_config
 from datasets import Dataset
+from helpers import es_config
 
 from trl_es import ESTrainer, load_chain
 from trl_es.chains import replay

@@ -24,7 +24,7 @@ import transformers
 
 sys.path.insert(0, os.path.dirname(__file__))
 import regression_guard  # noqa: E402
-from test_multiprocess import accelerate_launch  # noqa: E402
+from helpers import accelerate_launch  # noqa: E402
 
 
 GOLDEN = Path(__file__).parent / "data" / "regression_hashes.json"
@@ -86,11 +86,13 @@ def test_transformers_one_process(one_process):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_transformers_two_processes(models, tmp_path, one_process):
     check(launched_hashes(tmp_path, models, regression_guard.SCENARIOS, 2, vllm=False), reference=one_process)
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 @pytest.mark.parametrize("num_processes", [1, 2])
 def test_vllm_colocate(models, tmp_path, num_processes, one_process):
     pytest.importorskip("vllm")

@@ -13,27 +13,11 @@ import tempfile
 import time
 
 import pytest
+from helpers import throwaway_processes
 
 from trl_es.rewards.sandbox import SandboxResult, run_python
 from trl_es.tasks.data import local_data
 from trl_es.tasks.mbpp import extract_program, mbpp, mbpp_reward, mbpp_verify
-
-
-THROWAWAY_UIDS = range(200_000, 2_000_000)
-
-
-def throwaway_processes() -> list[int]:
-    """Live processes whose real uid is in the sandbox's throwaway range."""
-    pids = []
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/status") as file:
-                fields = dict(line.split(":", 1) for line in file if ":" in line)
-        except OSError:
-            continue
-        if int(fields["Uid"].split()[0]) in THROWAWAY_UIDS and not fields["State"].strip().startswith("Z"):
-            pids.append(int(name))
-    return pids
 
 
 @pytest.mark.parametrize(

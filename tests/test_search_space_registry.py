@@ -125,8 +125,9 @@ def test_a_registered_space_trains_and_replays_its_chain_bitwise(tmp_path, tiny_
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_registered_space_gives_the_same_weights_with_two_processes(tmp_path, tiny_model_dir):
-    from test_multiprocess import accelerate_launch
+    from helpers import accelerate_launch
 
     one = weights(train(tiny_model_dir, tmp_path / "one").model)
     process = accelerate_launch(2, __file__, tiny_model_dir, str(tmp_path / "two"))

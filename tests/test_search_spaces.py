@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from conftest import es_config as config
+from helpers import es_config as config
+from helpers import upper_vocab_share
 
 from trl_es import ESTrainer
 from trl_es.es import NoiseTable, ParameterSnapshot, member_groups, partition_parameters
@@ -17,10 +18,6 @@ NAMES = [
     ),
     "model.norm.weight",
 ]
-
-
-def upper_vocab_share(completion_ids, **kwargs):
-    return [sum(t >= 24576 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
 def test_partitions():

@@ -6,9 +6,8 @@ import warnings
 
 import pytest
 import torch
-from conftest import es_config
 from datasets import Dataset, IterableDataset
-from test_trainer import weights
+from helpers import es_config, weights
 
 from trl_es import ESTrainer
 

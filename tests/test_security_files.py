@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import es_config
+from helpers import es_config
 
 from trl_es import ESTrainer
 

@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from test_sandbox import throwaway_processes
+from helpers import throwaway_processes
 
 from trl_es.rewards.sandbox import run_python
 from trl_es.tasks.mbpp import mbpp, mbpp_reward

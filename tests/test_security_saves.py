@@ -6,7 +6,7 @@ import os
 
 import pytest
 import transformers.modeling_utils
-from conftest import es_config
+from helpers import es_config
 
 from trl_es import ESTrainer
 

@@ -5,8 +5,8 @@ why, and the weights stay bitwise as they were."""
 import numpy as np
 import pytest
 import torch
-from conftest import es_config as config
-from test_trainer import assert_same_weights, weights
+from helpers import assert_same_weights, weights
+from helpers import es_config as config
 from transformers import AutoModelForCausalLM
 
 from trl_es import ESTrainer

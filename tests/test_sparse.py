@@ -153,7 +153,7 @@ def test_sparsify_and_apply_delta_commands_on_real_models(tmp_path, tiny_model_d
 
 
 def test_trainer_writes_the_sparse_delta_and_its_statistics_at_save(tmp_path, tiny_model_dir, prompt_dataset):
-    from conftest import es_config
+    from helpers import es_config
     from transformers import AutoModelForCausalLM
 
     from trl_es import ESTrainer

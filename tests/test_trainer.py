@@ -5,7 +5,8 @@ import warnings
 
 import pytest
 import torch
-from conftest import es_config as config
+from helpers import assert_same_weights, upper_vocab_share, weights
+from helpers import es_config as config
 from transformers import AutoModelForCausalLM
 
 from trl_es import ESTrainer
@@ -14,20 +15,6 @@ from trl_es import ESTrainer
 def even_token_share(completion_ids, **kwargs):
     """Share of completion tokens whose id is even: an easy target a tiny random model starts at ~50% on."""
     return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
-
-
-def weights(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def assert_same_weights(model, expected):
-    for name, p in model.named_parameters():
-        assert torch.equal(p, expected[name]), name
-
-
-def upper_vocab_share(completion_ids, **kwargs):
-    """Share of completion tokens from the upper half of the vocabulary (the tiny model's greedy output: none)."""
-    return [sum(t >= 24576 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
 def greedy_reward(trainer, dataset):

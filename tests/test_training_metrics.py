@@ -3,8 +3,8 @@
 import math
 
 import pytest
-from conftest import es_config as config
 from datasets import Dataset
+from helpers import es_config as config
 
 from trl_es import ESTrainer
 

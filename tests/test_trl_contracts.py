@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import es_config
 from datasets import Dataset
+from helpers import es_config
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 from transformers.trainer_callback import TrainerState
 from trl import GRPOConfig, GRPOTrainer

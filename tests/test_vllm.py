@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import es_config
+from helpers import es_config
 
 
 SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
@@ -30,6 +30,7 @@ def colocate(tmp_path_factory, tokenizer_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_colocate_greedy_run_equals_transformers_run(colocate):
     """2 greedy ES steps through vLLM: the rewards of the transformers path, and the same final weights bitwise."""
     assert colocate["vllm_rewards"] == colocate["hf_rewards"]
@@ -38,6 +39,7 @@ def test_colocate_greedy_run_equals_transformers_run(colocate):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_colocate_evaluation_equals_transformers_evaluation(colocate):
     """evaluate() through vLLM: the same Pass@K and reward (token entropy is not available from vLLM)."""
     hf_eval = dict(colocate["hf_eval"])
@@ -48,6 +50,7 @@ def test_colocate_evaluation_equals_transformers_evaluation(colocate):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_colocate_member_weights_equal_transformers_perturbation(colocate):
     """Members are written into vLLM's own weights in place (no reload). For each member seed, vLLM's weights are the
     HF path's θ + σ·ε bitwise (the fused qkv rows, the embedding, the norms); its completions equal transformers' on
@@ -68,12 +71,14 @@ def test_colocate_member_weights_equal_transformers_perturbation(colocate):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_colocate_copes_equals_transformers_copes(colocate):
     assert colocate["vllm_copes_rewards"] == colocate["hf_copes_rewards"]
     assert colocate["copes_same_final_weights"]
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_colocate_without_views_copies_members_in_and_warns(colocate):
     """The fallback for weights vLLM holds in another layout: each member goes through vLLM's loader (a whole-model
     reload on CPU), with a warning; the run is the same."""
@@ -83,6 +88,7 @@ def test_colocate_without_views_copies_members_in_and_warns(colocate):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_colocate_save_model_writes_hf_names(colocate):
     """No fused vLLM names (qkv_proj, gate_up_proj): the saved file is the HF model's, and loads back."""
     assert colocate["saved_names"] == colocate["hf_names"]
@@ -91,6 +97,7 @@ def test_colocate_save_model_writes_hf_names(colocate):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_colocate_failing_reward_leaves_theta_in_vllm(colocate):
     assert colocate["failure_error"] == "reward server down"
     assert colocate["failure_steps_done"] == 1
@@ -98,6 +105,7 @@ def test_colocate_failing_reward_leaves_theta_in_vllm(colocate):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_server_mode(tmp_path, tokenizer_dir):
     """`trl-es vllm-serve` + vllm_mode="server": the transformers path's run; a second run against the same server
     starts from the served model again; resuming from a checkpoint ends on the uninterrupted weights; a trainer on
@@ -118,6 +126,7 @@ def test_server_mode(tmp_path, tokenizer_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 def test_vllm_out_of_memory_names_the_setting(tmp_path, tokenizer_dir):
     error = scenario("oom", tmp_path, tokenizer_dir)["error"]
     assert "vllm_gpu_memory_utilization" in error and "vllm_max_model_length" in error

@@ -19,8 +19,8 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
-from conftest import build_tiny_model, es_config  # noqa: E402
 from datasets import Dataset  # noqa: E402
+from helpers import build_tiny_model, es_config  # noqa: E402
 
 
 PROMPTS = [f"Count to {n}:" for n in range(1, 9)]
