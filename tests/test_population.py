@@ -26,12 +26,21 @@ def test_slots_are_dealt_round_robin_and_cover_the_population_once():
 def test_summary_row_and_metrics_by_hand():
     nan = math.nan
     # member 0: completions with combined rewards 1 and 3 (function f gave 1 and 3), lengths 2 and 4, one truncated,
-    # token entropies summing to 3.0, success on prompt 0 only
-    row0 = summarize(2.0, torch.tensor([[1.0, 1.0], [3.0, 3.0]]), [2, 4], [True, False], 3.0, torch.tensor([1.0, 0]))
-    # member 1: one reward 0 and one completion without any reward (NaN), lengths 6 and 1, success on prompt 1
-    row1 = summarize(0.0, torch.tensor([[0.0, 0.0], [nan, nan]]), [6, 1], [False, False], 1.0, torch.tensor([0, 0.5]))
-    assert row0.numel() == SummaryLayout(1, 2).width == 15
-    assert row0.tolist() == [2.0, 4.0, 2.0, 10.0, 4.0, 2.0, 10.0, 6.0, 2.0, 4.0, 2.0, 1.0, 3.0, 1.0, 0.0]
+    # token entropies summing to 3.0, 3 tool calls of which 1 failed, success on prompt 0 only
+    row0 = summarize(
+        2.0, torch.tensor([[1.0, 1.0], [3.0, 3.0]]), [2, 4], [True, False], 3.0, torch.tensor([1.0, 0]), 3, 1
+    )
+    # member 1: one reward 0 and one completion without any reward (NaN), lengths 6 and 1, one tool call, success on
+    # prompt 1
+    row1 = summarize(
+        0.0, torch.tensor([[0.0, 0.0], [nan, nan]]), [6, 1], [False, False], 1.0, torch.tensor([0, 0.5]), 1, 0
+    )
+    layout = SummaryLayout(1, 2)
+    assert row0.numel() == layout.width == 17
+    assert row0.tolist() == [2.0, 4.0, 2.0, 10.0, 4.0, 2.0, 10.0, 6.0, 2.0, 4.0, 2.0, 1.0, 3.0, 3.0, 1.0, 1.0, 0.0]
+    assert row0[layout.tools].tolist() == [3.0, 1.0] and row0[layout.success].tolist() == [1.0, 0.0]
+    tools = population_metrics(torch.stack([row0, row1]), ["f"], tools=True)
+    assert tools["tools/call_frequency"] == 1.0 and tools["tools/failure_frequency"] == 0.25  # 4 calls, 4 completions
     metrics = population_metrics(torch.stack([row0, row1]), ["f"], entropy=True)
     # rewards 1, 3, 0 (the NaN excluded): mean 4/3, unbiased std sqrt(((1-4/3)^2 + (3-4/3)^2 + (4/3)^2) / 2)
     assert metrics["reward"] == pytest.approx(4 / 3)

@@ -348,7 +348,7 @@ def test_warning_raised_all_rewards_none(models, tmp_path):
 
 
 def test_no_reward_source_raises(models, tmp_path):
-    with pytest.raises(ValueError, match="reward function"):
+    with pytest.raises(ValueError, match="No reward source provided"):
         ESTrainer(models["qwen2"], reward_funcs=None, args=std(tmp_path), train_dataset=zen())
 
 

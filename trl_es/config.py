@@ -49,6 +49,7 @@ PARAMETER_GROUPS = {
         "log_completions", "num_completions_to_print", "log_unique_prompts", "num_generations_eval", "eval_k", "eval_task",
         "success_threshold", "log_completion_entropy", "log_population_diversity",
     ),
+    "Parameters that control agent episodes (tools, environments)": ("max_tool_calling_iterations", "tool_call_timeout"),
     "Parameters that control saving": ("sparse_delta_tau",),
     "TrainingArguments fields whose default differs for ES": (
         "lr_scheduler_type", "logging_steps", "max_grad_norm", "remove_unused_columns",
@@ -389,6 +390,24 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         },
     )
 
+    # Agents
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={
+            "help": "With tools or an environment_factory: the most tool-calling turns an episode takes after its first "
+            "(None: until the model stops calling tools or max_completion_length, which covers the whole episode, is "
+            "spent), as in GRPOConfig."
+        },
+    )
+    tool_call_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "ES only: seconds a tool call may take before it counts as failed with a timeout message (the "
+            "episode goes on; a sync tool's call keeps running in a background thread, which Python cannot stop). "
+            "None: wait for every call, as GRPOTrainer does."
+        },
+    )
+
     # TrainingArguments defaults that differ for ES
     lr_scheduler_type: str = field(
         default="constant", metadata={"help": "Schedule of α; ES commonly keeps it constant."}
@@ -495,6 +514,12 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
                 refuse("eval_task", f"choose a task with answers to vote on: {voting}")
         if not math.isfinite(self.success_threshold):
             refuse("success_threshold", "must be a finite number")
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            refuse("max_tool_calling_iterations", "must be ≥ 0 (None: no limit)")
+        if self.tool_call_timeout is not None and not (
+            math.isfinite(self.tool_call_timeout) and self.tool_call_timeout > 0
+        ):
+            refuse("tool_call_timeout", "must be a finite number of seconds > 0 (None: no timeout)")
 
     def _check_gradient_fields(self):
         """TrainingArguments fields that only make sense with gradients: refused or ignored with a warning."""

@@ -50,8 +50,19 @@ def score_problems(rows: list[dict], correct: list[bool], answers: list | None, 
     return sums
 
 
+def plain_generate(generation, record_entropy: bool = True) -> Callable:
+    """`generate(rows, n, seeds)` for `evaluate_batch`: one batched call of a generation backend on the rows'
+    prompts."""
+
+    def generate(rows: list[dict], n: int, seeds: list[int]):
+        prompts = [row["prompt"] for row in rows]
+        return generation.generate(prompts, generation.tokenize(prompts), n, seeds, record_entropy)
+
+    return generate
+
+
 def evaluate_batch(
-    generation,
+    generate: Callable,
     rows: list[dict],
     n: int,
     seed: int,
@@ -59,16 +70,13 @@ def evaluate_batch(
     k_values: list[int],
     extract: Callable[[str], str | None] | None = None,
     success_threshold: float = SUCCESS_THRESHOLD,
-    record_entropy: bool = True,
 ) -> dict:
-    """One batch of problems: n completions per row from `generation` (sampling seed `seed`), rewarded by
-    `rewards_of(rows, completions)` (a tensor, NaN = no reward); a completion is correct when its reward is ≥
-    `success_threshold`. Returns the batch's record: the problems' summed Pass@K (and Maj@K over the answers
-    `extract` finds), the sums of rewards, tokens and token entropies, and each completion's verdict and answer."""
-    prompts = [row["prompt"] for row in rows]
-    result = generation.generate(
-        prompts, generation.tokenize(prompts), n, completion_seeds(seed, len(rows), n), record_entropy
-    )
+    """One batch of problems: n completions per row from `generate(rows, n, seeds)` (`plain_generate`, or an agent
+    run's episodes; completion seeds from the batch's `seed`), rewarded by `rewards_of(rows, completions)` (a
+    tensor, NaN = no reward); a completion is correct when its reward is ≥ `success_threshold`. Returns the batch's
+    record: the problems' summed Pass@K (and Maj@K over the answers `extract` finds), the sums of rewards, tokens
+    and token entropies, and each completion's verdict and answer."""
+    result = generate(rows, n, completion_seeds(seed, len(rows), n))
     rewards = torch.as_tensor(rewards_of(rows, result), dtype=torch.float64)
     correct = (rewards >= success_threshold).tolist()
     answers = [extract(completion_text(c)) for c in result.completions] if extract else None
@@ -79,7 +87,7 @@ def evaluate_batch(
         "completions": len(correct),
         "reward_sum": float(rewards[valid].sum()),
         "rewards": int(valid.sum()),
-        "tokens": sum(map(len, result.completion_ids)),
+        "tokens": sum(result.lengths),
         "entropy_sum": sum(result.entropy_sums or [0.0]),
         "correct": correct,
         "answers": answers,
@@ -176,7 +184,7 @@ def evaluate_model(
             rows = dataset.select(range(b * batch_size, min((b + 1) * batch_size, len(dataset)))).to_list()
             with torch.no_grad():
                 record = evaluate_batch(
-                    generation,
+                    plain_generate(generation),
                     rows,
                     n,
                     eval_seed(settings["seed"], 0, b * batch_size),

@@ -20,9 +20,10 @@ class SummaryLayout:
     """The columns of a slot's summary row, for `n_functions` reward functions and `n_prompts` prompts:
 
     `reward` the member reward R; `moments(k)` the (nansum, count, sum of squares) of the combined reward (k = 0)
-    or of reward function k − 1; `lengths` the completion lengths' (sum, min, max), the number of completions and
-    of truncated ones, the sum of their token entropies (0 when not recorded); `success` per prompt, the share of
-    its completions that succeeded (combined reward ≥ `success_threshold`)."""
+    or of reward function k − 1; `lengths` the completion lengths' (sum, min, max; model-generated tokens), the
+    number of completions and of truncated ones, the sum of their token entropies (0 when not recorded); `tools`
+    the number of tool calls and of failed ones; `success` per prompt, the share of its completions that
+    succeeded (combined reward ≥ `success_threshold`)."""
 
     n_functions: int
     n_prompts: int
@@ -37,12 +38,16 @@ class SummaryLayout:
         return slice(start, start + 6)
 
     @property
+    def tools(self) -> slice:
+        return slice(self.lengths.stop, self.lengths.stop + 2)
+
+    @property
     def success(self) -> slice:
-        return slice(self.lengths.stop, self.width)
+        return slice(self.tools.stop, self.width)
 
     @property
     def width(self) -> int:
-        return self.lengths.stop + self.n_prompts
+        return self.tools.stop + self.n_prompts
 
 
 def summarize(
@@ -52,6 +57,8 @@ def summarize(
     truncated: list[bool],
     entropy_sum: float,
     success: torch.Tensor,
+    tool_calls: int = 0,
+    tool_failures: int = 0,
 ) -> torch.Tensor:
     """One slot's row (`SummaryLayout`). `rewards` is (completions, 1 + F): the combined reward, then each
     function's (NaN = none); `success` is (prompts,), each prompt's share of successful completions."""
@@ -61,9 +68,10 @@ def summarize(
     moments = torch.stack([zeroed.sum(0), valid.sum(0).double(), zeroed.square().sum(0)], dim=1).flatten()
     lengths_t = torch.tensor(lengths, dtype=torch.float64)
     tail = torch.tensor(
-        [lengths_t.sum(), lengths_t.min(), lengths_t.max(), len(lengths), sum(truncated), entropy_sum],
+        [lengths_t.sum(), lengths_t.min(), lengths_t.max(), len(lengths), sum(truncated), entropy_sum, tool_calls,
+         tool_failures],
         dtype=torch.float64,
-    )
+    )  # fmt: skip
     return torch.cat([torch.tensor([member_reward], dtype=torch.float64), moments, tail, success.double()])
 
 
@@ -101,7 +109,11 @@ def _mean_std(total: float, count: float, squares: float) -> tuple[float, float]
 
 
 def population_metrics(
-    summaries: torch.Tensor, function_names: list[str], entropy: bool = False, diversity_prompts: int | None = None
+    summaries: torch.Tensor,
+    function_names: list[str],
+    entropy: bool = False,
+    diversity_prompts: int | None = None,
+    tools: bool = False,
 ) -> dict[str, float]:
     """GRPOTrainer-named metrics (reward, reward_std, rewards/<f>/mean|std, completions/*) over the members' rows,
     and the spread of the member rewards R_i (es/population_reward_min|max|std); with `entropy`, also the mean token
@@ -130,6 +142,13 @@ def population_metrics(
     metrics["completions/clipped_ratio"] = float(lengths[:, 4].sum()) / n_completions
     if entropy:
         metrics["completions/mean_token_entropy"] = float(lengths[:, 5].sum()) / max(length_sum, 1.0)
+    if tools:  # as GRPOTrainer: calls per completion, failures per call
+        calls, failures = (
+            float(summaries[:, layout.tools.start].sum()),
+            float(summaries[:, layout.tools.start + 1].sum()),
+        )
+        metrics["tools/call_frequency"] = calls / n_completions
+        metrics["tools/failure_frequency"] = failures / calls if calls else 0.0
     return metrics
 
 

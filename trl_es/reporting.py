@@ -16,7 +16,7 @@ import torch
 from trl.trainer.utils import print_prompt_completions_sample
 
 from .es.seeds import eval_seed
-from .evaluation import evaluate_batch, summarize_records
+from .evaluation import evaluate_batch, plain_generate, summarize_records
 from .tasks import get_task
 
 
@@ -60,6 +60,16 @@ class ReportingMixin:
             {name: pick(values) for name, values in extras.items()} or None,
         )
 
+    def _eval_generator(self, key):
+        """`generate(rows, n, seeds)` of θ for `evaluate_batch`: the backend's batched call, or θ's agent episodes
+        (environments reset under seeds from `key`)."""
+        agents, generation = self.agents, self.generation
+        if agents is None:
+            return plain_generate(generation, generation.records_entropy)
+        if agents.generates_itself:
+            return lambda rows, n, seeds: agents.run_rollout_func(rows, n, self, generation)
+        return lambda rows, n, seeds: agents.run(rows, 1, n, seeds, key, lambda members: None, generation)
+
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Pass@K for K in `eval_k` (and Maj@K with `eval_task`) of the current θ on the eval prompts, with
@@ -79,15 +89,15 @@ class ReportingMixin:
         extract = get_task(args.eval_task).extract_answer if args.eval_task else None
         rank, world, size = accelerator.process_index, accelerator.num_processes, args.per_device_eval_batch_size
         rows, records = list(dataset)[rank::world], []
-        options = (args.eval_k, extract, args.success_threshold, self.generation.records_entropy)
+        options = (args.eval_k, extract, args.success_threshold)
         rewards_of = lambda rows, generated: self.reward_functions.combine(self._rewards(rows, generated))  # noqa: E731
         self.weights.start()
         with self._full_parameters():
             for start in range(0, len(rows), size):
-                seed = eval_seed(args.seed, self.state.global_step, rank + start * world)  # the chunk's first problem
-                records.append(
-                    evaluate_batch(self.generation, rows[start : start + size], n, seed, rewards_of, *options)
-                )
+                first = rank + start * world  # the chunk's first problem
+                seed = eval_seed(args.seed, self.state.global_step, first)
+                generate = self._eval_generator(("eval", self.state.global_step, first))
+                records.append(evaluate_batch(generate, rows[start : start + size], n, seed, rewards_of, *options))
         reduce = lambda totals: accelerator.reduce(totals.to(accelerator.device), "sum").cpu()  # noqa: E731
         summary = summarize_records(records, args.eval_k, extract is not None, reduce)
         metrics = {f"{metric_key_prefix}_{key}": value for key, value in summary.items() if key != "problems"}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from accelerate.data_loader import BatchSamplerShard
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader, SequentialSampler
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl.trainer.utils import get_config_model_id, identity
 
+from .agents import Agents, agent_dataset
 from .chains import new_chain
 from .compat import BaseTrainer, check_trainer_hooks
 from .config import ESConfig
@@ -30,7 +32,7 @@ from .es import SearchSpace, search_space, select_parameters, shape_fitness
 from .es.seeds import completion_seeds, sampling_seed
 from .es.space import step_optimizer
 from .generation import make_backend
-from .loading import check_eval_dataset, check_model_type, check_prompt_dataset, load_starting_model, prepare_model
+from .loading import check_eval_dataset, check_model_type, load_starting_model, prepare_model
 from .population import DistanceFromStart, SummaryLayout, member_rewards, population_metrics, summarize
 from .reporting import ReportingMixin
 from .rewards import RewardFunctions
@@ -97,7 +99,7 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
     def __init__(
         self,
         model: str | PreTrainedModel,
-        reward_funcs,
+        reward_funcs=None,
         args: ESConfig | None = None,
         train_dataset: Dataset | IterableDataset | None = None,
         eval_dataset=None,
@@ -105,6 +107,9 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         reward_processing_classes=None,
         callbacks=None,
         peft_config=None,
+        tools: list[Callable] | None = None,
+        rollout_func: Callable | None = None,
+        environment_factory=None,
     ):
         check_model_type(model)
         if args is None:
@@ -112,7 +117,7 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
             args = ESConfig(f"{str(name).rstrip('/').split('/')[-1]}-ES")
         if not isinstance(args, ESConfig):
             raise TypeError(f"`args` must be an ESConfig, got {type(args).__name__}")
-        check_prompt_dataset(train_dataset)
+        train_dataset = agent_dataset(train_dataset, args, environment_factory)
         if isinstance(train_dataset, IterableDataset) and args.dataloader_num_workers:
             warnings.warn(  # as GRPOTrainer: each worker would read the whole stream, every prompt N times
                 f"dataloader_num_workers={args.dataloader_num_workers} is set to 0 for an iterable train dataset",
@@ -124,9 +129,13 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         self._model_source = model if isinstance(model, str) else get_config_model_id(model.config)
         self._new_adapter, self.chain = peft_config is not None, None  # the run's seed chain (trl_es.chains)
         model, processing_class, eos_ids = prepare_model(model, args, processing_class, peft_config)
+        self.agents = None
+        if tools or environment_factory is not None or rollout_func is not None:
+            self.agents = Agents(processing_class, args, tools, environment_factory, rollout_func)
+        reward_funcs, reward_weights = self._reward_sources(reward_funcs, args.reward_weights)
         self.reward_functions = RewardFunctions(
             reward_funcs,
-            reward_weights=args.reward_weights,
+            reward_weights=reward_weights,
             reward_processing_classes=reward_processing_classes,
             model_init_kwargs=args.model_init_kwargs,
             trust_remote_code=args.trust_remote_code,
@@ -154,9 +163,26 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
             self.model, processing_class, eos_ids, args, self.accelerator, self.es_params, zero_stage
         )
         self.space = self._make_search_space()
+        if self.agents is not None:
+            self.agents.max_model_length = self.generation.max_model_length
+            self.agents.check_reproducible(next(iter(self.train_dataset)), args.seed)
         self._distance = None  # ‖θ − θ₀‖/‖θ₀‖, θ₀ taken at the first step of `train`
         self._metrics = defaultdict(list)
         self._last_completions = self._completions_step = None
+
+    def _reward_sources(self, reward_funcs, reward_weights):
+        """The reward functions and their weights, with the environments' own rewards (`get_reward`, weight 1)
+        after the user's, as GRPOTrainer adds them."""
+        funcs = (
+            [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs]
+        )
+        owned = self.agents.reward_funcs if self.agents is not None else []
+        if reward_weights is not None and len(reward_weights) != len(funcs):
+            raise ValueError(
+                f"Number of reward weights ({len(reward_weights)}) must match number of reward functions ({len(funcs)})"
+            )
+        weights = None if reward_weights is None else [*reward_weights, *[1.0] * len(owned)]
+        return funcs + owned, weights
 
     def _make_search_space(self) -> SearchSpace:
         """The search space `es_search_space` names (`trl_es.es.space.SEARCH_SPACES`), built from ESConfig."""
@@ -322,15 +348,14 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
     def _evaluate_population(self, rows: list[dict], step: int, slots: list, times: dict) -> torch.Tensor:
         """Evaluate this process's share of the step's slots, in generate calls of `members_per_call` members each,
         and return every slot's summary row (all processes', after the step's one all-reduce)."""
-        args, n = self.args, self.args.num_generations
-        prompts = [row["prompt"] for row in rows]
-        prompt_ids = self.generation.tokenize(prompts)
+        n = self.args.num_generations
         layout = SummaryLayout(len(self.reward_functions.names), len(rows))
         summaries = torch.zeros(len(slots), layout.width, dtype=torch.float64)
         first_member, error = sum(slot is None for slot in slots), None
         try:
+            generate = self._generator(rows, step)
             mine = self.processes.slots(len(slots))
-            per_call = self.space.members_per_call(len(mine))
+            per_call = 1 if self.agents and self.agents.generates_itself else self.space.members_per_call(len(mine))
             for start in range(0, len(mine), per_call):
                 part = mine[start : start + per_call]
                 seeds = [seed for s in part for seed in self._completion_seeds(step, s - first_member, len(rows))]
@@ -338,9 +363,7 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
                 with self.space.evaluating([slots[s] for s in part]) as route:
                     times["noise"] += time.perf_counter() - timer
                     timer = time.perf_counter()
-                    route([j for j in range(len(part)) for _ in range(len(rows) * n)])
-                    batch = [prompts * len(part), prompt_ids * len(part)]
-                    generated = self.generation.generate(*batch, n, seeds, args.log_completion_entropy)
+                    generated = generate(len(part), seeds, route)
                 self._metrics["es/time/generate"].extend([(time.perf_counter() - timer) / len(part)] * len(part))
                 for j, s in enumerate(part):
                     member_completions = generated.select(j * len(rows) * n, (j + 1) * len(rows) * n)
@@ -351,6 +374,33 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         summaries = self.processes.exchange(summaries, error, step)
         times["communication"] = time.perf_counter() - timer
         return summaries
+
+    def _generator(self, rows: list[dict], step: int) -> Callable:
+        """`generate(n_members, seeds, route)`: the completions of one generate call's members on `rows`, member-major,
+        `num_generations` per prompt, completion r sampled with `seeds[r]`: one batched `generate` of the backend,
+        or the episodes of an agent run (`trl_es.agents`), every turn routed to its member."""
+        n, agents = self.args.num_generations, self.agents
+        if agents is not None and agents.generates_itself:
+
+            def generate(n_members, seeds, route):
+                route(0)  # the call's one member generates every row the rollout function asks for
+                return agents.run_rollout_func(rows, n, self, self.generation)
+
+        elif agents is not None:
+
+            def generate(n_members, seeds, route):
+                return agents.run(rows, n_members, n, seeds, step, route, self.generation)
+
+        else:
+            prompts = [row["prompt"] for row in rows]
+            prompt_ids = self.generation.tokenize(prompts)
+
+            def generate(n_members, seeds, route):
+                route([j for j in range(n_members) for _ in range(len(rows) * n)])
+                batch = [prompts * n_members, prompt_ids * n_members]
+                return self.generation.generate(*batch, n, seeds, self.args.log_completion_entropy)
+
+        return generate
 
     def _completion_seeds(self, step: int, member: int, n_prompts: int) -> list[int]:
         """The sampling seeds of member `member`'s completions at `step` (−1: the centre), one per (prompt,
@@ -373,10 +423,12 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         summaries[s] = summarize(
             reward,
             torch.cat([combined[:, None], per_func], dim=1),
-            [len(ids) for ids in generated.completion_ids],
+            generated.lengths,
             generated.truncated,
             sum(generated.entropy_sums) if generated.entropy_sums else 0.0,
             success,
+            sum(generated.tool_calls or ()),
+            sum(generated.tool_failures or ()),
         )
         if not is_center and self._completions_step != step:
             table = {name: per_func[:, k].tolist() for k, name in enumerate(self.reward_functions.names)}
@@ -389,7 +441,8 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         if center is not None:
             metrics["es/center_reward"].append(center)
         diversity = n_prompts if args.log_population_diversity else None
-        step = population_metrics(members, self.reward_functions.names, args.log_completion_entropy, diversity)
+        tools = self.agents is not None and bool(self.agents.tools)
+        step = population_metrics(members, self.reward_functions.names, args.log_completion_entropy, diversity, tools)
         step |= {"es/sigma": args.sigma, **outcome, "es/rel_distance_from_start": self._distance()}
         step |= {f"es/time/{name}": times[name] for name in ("noise", "update", "communication")}
         for name, value in step.items():
@@ -398,12 +451,15 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
     def _rewards(self, rows: list[dict], generated, log_metric=lambda *_: None, log_extra=lambda *_: None):
         """Each reward function's rewards of `generated`'s completions (GRPOTrainer's contract: `trl_es.rewards`)."""
         repeats = len(generated.completions) // len(rows)
+        environments = {} if generated.environments is None else {"environments": generated.environments}
         return self.reward_functions(
             [row for row in rows for _ in range(repeats)],
             generated.prompts,
             generated.completions,
             generated.completion_ids,
+            generated.extras,
             trainer_state=self.state,
             log_metric=log_metric,
             log_extra=log_extra,
+            **environments,
         )

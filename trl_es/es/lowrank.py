@@ -86,12 +86,14 @@ class LowRankPopulation:
         self.rows = torch.zeros(0, dtype=torch.long)
 
     def route(self, row_members) -> None:
-        """The next forwards' batch row b evaluates member `row_members[b]` (−1: the centre θ)."""
+        """The next forwards' batch row b evaluates member `row_members[b]` (−1: the centre θ); an int m: every row
+        of any batch evaluates member m."""
         rows = torch.as_tensor(row_members, dtype=torch.long).flatten()
         if rows.numel() and not (-1 <= int(rows.min()) and int(rows.max()) < len(self.seeds)):
             raise ValueError(f"row_members must lie in [-1, {len(self.seeds)}), got {rows.tolist()}")
         columns = torch.arange(len(self.seeds) * self.rank) // self.rank
-        self.rows, self.masks = rows, {None: (rows[:, None] == columns[None, :]).float()}  # a centre row: all zero
+        self.masks = {None: (rows[:, None] == columns[None, :]).float()}  # a centre row: all zero
+        self.rows = None if isinstance(row_members, int) else rows  # None: the one row's mask broadcasts
 
     def mask(self, like: torch.Tensor) -> torch.Tensor:
         key = (like.device, like.dtype)
@@ -134,7 +136,7 @@ class LowRankPopulation:
 
         def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
             x = args[0]
-            if x.shape[0] != self.rows.shape[0]:
+            if self.rows is not None and x.shape[0] != self.rows.shape[0]:
                 raise ValueError(
                     f"the batch has {x.shape[0]} rows but the population routes {self.rows.shape[0]} rows"
                 )
@@ -268,7 +270,7 @@ class LowRankSpace(SearchSpace):
             k += m is not None
         seeds, signs = [m.seed for m in perturbed], [m.sign for m in perturbed]
         with LowRankPopulation(self.targets, seeds, signs, self.sigma, self.rank) as route:
-            yield lambda row_members: route([positions[i] for i in row_members])
+            yield lambda rows: route(positions[rows] if isinstance(rows, int) else [positions[i] for i in rows])
 
     def tell(self, members: list[Direction], rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float):
         pairs, n_valid = [(m.seed, m.sign) for m in members], int((~torch.isnan(rewards)).sum())

@@ -40,6 +40,13 @@ def completion_seeds(call_seed: int, n_prompts: int, n_generations: int) -> list
     return [completion_seed(call_seed, k, j) for k in range(n_prompts) for j in range(n_generations)]
 
 
+def environment_seed(seed: int, step: int, prompt: int, generation: int) -> int:
+    """The seed an agent environment is reset under for episode (prompt, generation) of step `step`: the same for
+    every member, so they all face the same episodes (common random numbers). Tool calls and `get_reward` run under
+    seeds derived from their episode's (`trl_es.agents`)."""
+    return derive_seed("es-environment", seed, step, prompt, generation)
+
+
 def eval_seed(seed: int, step: int, first_problem: int) -> int:
     """The sampling seed of an evaluation batch whose first problem is `first_problem` (its index in the evaluation
     set), at training step `step` (0 for `trl-es eval`). Keyed by the problem, so K processes sample as one does."""

@@ -32,9 +32,10 @@ from .weights import WeightsBackend
 SEARCH_SPACES: dict[str, type[SearchSpace]] = {}
 """Every search space by name (`register`)."""
 
-Route = Callable[[list[int]], None]
+Route = Callable[[list[int] | int], None]
 """`route(row_members)`: the next forward passes' batch row b evaluates member `row_members[b]` (an index into the
-members the `evaluating` context was given)."""
+members the `evaluating` context was given); `route(m)`: every row of any batch evaluates member m (a generation
+the trainer does not batch itself, e.g. a `rollout_func`'s)."""
 
 
 def register(cls: type[SearchSpace]) -> type[SearchSpace]:
@@ -71,8 +72,8 @@ def directions(seed: int, step: int, population_size: int, antithetic: bool) -> 
 def one_member(members: list) -> Route:
     """The route of a space that forms one member at a time: every row is that member."""
 
-    def route(row_members: list[int]) -> None:
-        if any(m != 0 for m in row_members):
+    def route(row_members: list[int] | int) -> None:
+        if any(m != 0 for m in ([row_members] if isinstance(row_members, int) else row_members)):
             raise ValueError(
                 f"this search space evaluates one member per call, not rows of {sorted(set(row_members))}"
             )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 from transformers import (
@@ -23,24 +23,34 @@ from ..metrics import token_entropy
 
 @dataclass
 class Completions:
-    """Completions for `prompts` repeated `num_generations` times each (prompt-major order)."""
+    """Completions for `prompts` repeated `num_generations` times each (prompt-major order). Agent episodes
+    (`trl_es.agents`) also fill the per-completion fields after `entropy_sums`."""
 
     prompts: list
     completions: list
     completion_ids: list[list[int]]
     truncated: list[bool]
     entropy_sums: list[float] | None = None  # Σ over each completion's tokens of H(π(·|x_<t)), when recorded
+    tool_mask: list[list[int]] | None = None  # 1: a token the model generated, 0: a tool's or environment's
+    environments: list | None = None  # each completion's environment instance
+    tool_calls: list[int] | None = None  # each completion's number of tool calls …
+    tool_failures: list[int] | None = None  # … and of those that failed
+    extras: dict[str, list] = field(default_factory=dict)  # a rollout_func's extra fields, one value per completion
 
     def select(self, start: int, end: int) -> Completions:
         """Completions start..end-1 (e.g. one member's rows of a batched population)."""
-        entropy = None if self.entropy_sums is None else self.entropy_sums[start:end]
+        part = lambda values: None if values is None else values[start:end]  # noqa: E731
         return Completions(
-            self.prompts[start:end],
-            self.completions[start:end],
-            self.completion_ids[start:end],
-            self.truncated[start:end],
-            entropy,
+            *(part(getattr(self, f.name)) for f in fields(self) if f.name != "extras"),
+            extras={key: values[start:end] for key, values in self.extras.items()},
         )
+
+    @property
+    def lengths(self) -> list[int]:
+        """Each completion's number of model-generated tokens (tool results left out, as in GRPOTrainer)."""
+        if self.tool_mask is None:
+            return [len(ids) for ids in self.completion_ids]
+        return [sum(mask) for mask in self.tool_mask]
 
 
 class EntropyRecorder(LogitsProcessor):
@@ -126,6 +136,11 @@ class TransformersGeneration:
             ids = self.tokenizer(text=prompts)["input_ids"]
         self._check_context(max(map(len, ids)))
         return ids
+
+    @property
+    def max_model_length(self) -> int | None:
+        """The longest prompt + completion the engine takes (the model's context)."""
+        return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
 
     def _check_context(self, prompt_length: int) -> None:
         context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)

@@ -227,6 +227,13 @@ class VLLMGeneration(TransformersGeneration):
         else:
             self.engine = _Colocated(self._model_dir(), args, accelerator, self.dtype)
 
+    @property
+    def max_model_length(self) -> int | None:
+        """vLLM's `max_model_len` in colocate mode; the model's context for a server."""
+        if isinstance(self.engine, _Colocated):
+            return self.engine.llm.llm_engine.model_config.max_model_len
+        return super().max_model_length
+
     def _model_dir(self) -> str:
         """The directory vLLM loads (config, tokenizer; the weights are replaced by the trainer's at `start`): the
         model's own, or the in-memory model saved once under a temporary directory."""

@@ -102,13 +102,14 @@ class RewardFunctions:
         trust_remote_code: bool = False,
         chat_template_kwargs: dict | None = None,
     ):
-        if reward_funcs is None:
-            raise ValueError(
-                "ESTrainer needs at least one reward function (`reward_funcs`): ES learns from rewards only"
-            )
-        funcs = list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs]
+        funcs = (
+            [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs]
+        )
         if not funcs:
-            raise ValueError("`reward_funcs` is empty: ES learns from rewards only")
+            raise ValueError(
+                "No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose environment defines "
+                "a `get_reward` method: ES learns from rewards only."
+            )
         kwargs = {"trust_remote_code": trust_remote_code, **(model_init_kwargs or {})}
         for i, func in enumerate(funcs):
             if isinstance(func, str):
@@ -170,16 +171,24 @@ class RewardFunctions:
             return model(**inputs.to(device)).logits[:, 0].float().tolist()
 
     def __call__(
-        self, rows: list[dict], prompts: list, completions: list, completion_ids: list[list[int]], **context
+        self,
+        rows: list[dict],
+        prompts: list,
+        completions: list,
+        completion_ids: list[list[int]],
+        extras: dict[str, list] | None = None,
+        **context,
     ) -> torch.Tensor:
         """Rewards, shape (len(prompts), number of functions), NaN where a function returned None.
 
         `rows[k]` is the dataset row of completion k; its columns other than "prompt" and "completion" are passed
-        as keyword lists. `context` carries `trainer_state`, `log_metric`, `log_extra`.
+        as keyword lists, as are `extras` (a rollout_func's extra fields, one value per completion). `context`
+        carries `trainer_state`, `log_metric`, `log_extra` and, in agent runs, `environments` (each completion's
+        environment, passed as it is: a reward may read its state).
         """
         keys = [key for key in rows[0] if key not in ("prompt", "completion", "completion_ids")]
         data = {"prompts": prompts, "completions": completions, "completion_ids": completion_ids}
-        data |= {key: [row[key] for row in rows] for key in keys}
+        data |= {key: [row[key] for row in rows] for key in keys} | (extras or {})
         rewards = torch.full((len(prompts), len(self.funcs)), math.nan)
         pending = []
         for i, (func, name) in enumerate(zip(self.funcs, self.names, strict=True)):
