@@ -3,6 +3,7 @@ bitwise (fp32 and bf16; full ES, patterns, CoPES, low-rank, a trained adapter, a
 `--steps K` gives checkpoint-K; bad input is refused before anything is written."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -140,6 +141,14 @@ def saved_run(tmp_path_factory, tiny_model_dir):
     return folder / "saved"
 
 
+def resigned(data: dict) -> str:
+    """`data` as a chain file with its checksum recomputed: what a deliberate forger would write."""
+    from trl_es.chains import _checksum
+
+    content = {key: data[key] for key in ("format", "header", "steps", "tip") if key in data}
+    return json.dumps({**content, "checksum": _checksum(content)})
+
+
 def edited(tmp_path, saved_run, edit):
     data = json.loads((saved_run / "es_chain.json").read_text())
     path = tmp_path / "es_chain.json"
@@ -166,12 +175,9 @@ def test_a_bad_chain_is_one_clear_error_and_nothing_is_written(tmp_path, saved_r
 
 
 def test_an_unknown_search_space_and_another_base_are_refused(tmp_path, saved_run, tiny_model_dir):
-    from trl_es.chains import _checksum
-
     def unknown_space(data):
         data["header"]["space"]["kind"] = "diffusion"
-        content = {key: data[key] for key in ("format", "header", "steps")}
-        return json.dumps({**content, "checksum": _checksum(content)})
+        return resigned(data)
 
     with pytest.raises(ValueError, match="cannot replay a chain of search space 'diffusion'"):
         load_chain(edited(tmp_path, saved_run, unknown_space))
@@ -197,6 +203,115 @@ def test_replay_command(tmp_path, saved_run, tiny_model_dir, capsys):
     capsys.readouterr()
     assert cli(["replay", "--chain", str(saved_run), "--base", tiny_model_dir, "--out", str(tmp_path / "a")]) == 1
     assert "already exists" in capsys.readouterr().err
+
+
+def crafted(field: str):
+    """An edit a forger makes to a chain, with the checksum recomputed (the checksum catches accidents only)."""
+
+    def edit(data):
+        update = data["steps"][0]["update"]
+        if field == "nan":
+            update["updates"][0]["coefficients"][0][1] = "NaN"  # then written as a bare NaN literal below
+        elif field == "huge":
+            update["updates"][0]["coefficients"][0][1] = 10**400
+        elif field == "group":
+            update["updates"][0]["group"] = 7
+        elif field == "no-updates":
+            del update["updates"]
+        elif field == "null-header":
+            data["header"] = None
+        elif field == "list-dtype":
+            data["header"]["dtype"] = ["float32"]
+        elif field == "table":
+            data["header"]["noise"]["table_size"] = 2**45
+        elif field == "peft":
+            data["header"]["base"]["peft_config"] = {"peft_type": "NOT_A_PEFT", "r": 2}
+        text = resigned(data)
+        if field == "nan":
+            text = text.replace('"NaN"', "NaN")
+        if field == "duplicate":
+            text = text.replace('{"format":', '{"format":"trl-es-chain/1","format":', 1)
+        if field == "deep":
+            text = "[" * 100_000 + "]" * 100_000
+        return text
+
+    return edit
+
+
+@pytest.mark.parametrize(
+    "field, message",
+    [
+        ("nan", "NaN is not a number"),
+        ("huge", "not finite or out of range"),
+        ("group", "malformed"),
+        ("no-updates", "malformed"),
+        ("null-header", "header is missing"),
+        ("list-dtype", "header.dtype"),
+        ("table", "table_size"),
+        ("peft", "peft"),
+        ("duplicate", "duplicate key"),
+        ("deep", "nested too deep|format"),
+    ],
+)
+def test_a_crafted_chain_is_one_line_of_error_and_exit_1(tmp_path, saved_run, tiny_model_dir, field, message, capsys):
+    """Chains with a valid recomputed checksum but impossible values end in one `trl-es replay: ...` line, exit 1,
+    nothing written: no FloatingPointError, OverflowError, KeyError, RecursionError or a 16 GiB allocation."""
+    path = edited(tmp_path, saved_run, crafted(field))
+    out = tmp_path / "out"
+    assert cli(["replay", "--chain", path, "--base", tiny_model_dir, "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    error = [line for line in err.splitlines() if line.startswith("trl-es")]  # beside transformers' progress bars
+    assert "Traceback" not in err and len(error) == 1 and error[0].startswith("trl-es replay: "), err[-2000:]
+    assert re.search(message, error[0]), error
+    assert not out.exists()
+
+
+def test_a_local_folder_is_never_a_hub_id_and_steps_out_of_range_write_nothing(tmp_path, saved_run, tiny_model_dir,
+                                                                              capsys, monkeypatch):  # fmt: skip
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: pytest.fail("asked the Hub"))
+    run = tmp_path / "outputs" / "run"
+    run.mkdir(parents=True)  # the docs' form, on a folder without es_chain.json
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="holds no es_chain.json"):
+        load_chain("outputs/run")
+    assert cli(["replay", "--chain", "outputs/run", "--out", str(tmp_path / "x")]) == 1
+    assert "holds no es_chain.json" in capsys.readouterr().err
+    for steps in ("99", "4", "-1"):  # a 3-step chain holds the weights after 0..3 steps
+        assert cli(["replay", "--chain", str(saved_run), "--base", tiny_model_dir, "--out", str(tmp_path / steps),
+                    "--steps", steps]) == 1  # fmt: skip
+        assert "outside this chain" in capsys.readouterr().err and not (tmp_path / steps).exists()
+    assert cli(["replay", "--chain", str(saved_run), "--base", tiny_model_dir, "--out", str(tmp_path / "0"),
+                "--steps", "0"]) == 0  # fmt: skip
+    assert "after 0 steps" in capsys.readouterr().out
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    assert cli(["replay", "--chain", str(saved_run), "--base", tiny_model_dir, "--out", str(dangling)]) == 1
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_a_resume_with_other_settings_or_another_runs_chain_is_refused(tmp_path, tiny_model_dir):
+    """Resuming with another seed, parameter patterns, noise table or search space would continue the chain under
+    the old header; a chain copied in from another run would no longer rebuild the model. Both are refused."""
+    args = dict(max_steps=1, save_strategy="steps", save_steps=1)
+    first = ESTrainer(tiny_model_dir, reward, args=es_config(tmp_path / "a", **args), train_dataset=PROMPTS)
+    first.train()
+    checkpoint = tmp_path / "a" / "out" / "checkpoint-1"
+    for change in ({"seed": 4}, {"es_parameter_patterns": ["norm"]}, {"noise_table_size": 1 << 21},
+                   {"es_search_space": "lowrank"}):  # fmt: skip
+        again = ESTrainer(tiny_model_dir, reward, args=es_config(tmp_path / "b", max_steps=2, **change),
+                          train_dataset=PROMPTS)  # fmt: skip
+        with pytest.raises(ValueError, match="other .* than it was trained with"):
+            again.train(resume_from_checkpoint=str(checkpoint))
+    other = ESTrainer(tiny_model_dir, reward, args=es_config(tmp_path / "c", seed=9, **args), train_dataset=PROMPTS)
+    other.train()
+    shutil.copy(tmp_path / "c" / "out" / "checkpoint-1" / "es_chain.json", checkpoint / "es_chain.json")
+    again = ESTrainer(
+        tiny_model_dir, reward, args=es_config(tmp_path / "d", seed=9, max_steps=2), train_dataset=PROMPTS
+    )
+    with pytest.raises(ValueError, match="saved with other weights"):
+        again.train(resume_from_checkpoint=str(checkpoint))
 
 
 def test_chain_only_push_and_replay_from_a_hub_id(tmp_path, tiny_model_dir, monkeypatch):

@@ -1,9 +1,11 @@
 """`trl-es eval` and `trl_es.evaluation`: scores by hand, the files and plots it writes, resume, bad input."""
 
 import json
+import shutil
 import os
 
 import pytest
+import torch
 
 from trl_es.cli import main as cli
 from trl_es.evaluation import evaluate, pareto_front, score_problems, table
@@ -70,6 +72,41 @@ def test_evaluate_writes_results_tables_plots_and_resumes(tiny_model_dir, tmp_pa
 
     with pytest.raises(ValueError, match="other settings"):
         evaluate([tiny_model_dir], "small_sums", **{**settings, "n": 2, "k": [1]})
+
+
+def test_records_follow_the_weights_and_the_k_values_and_refuse_lines_that_are_not_batches(tiny_model_dir, tmp_path):
+    """Records are keyed by the model's weights, not its path: retraining into the same path evaluates again (it
+    reported the old model's scores). Another --k is computed from the kept verdicts (KeyError 'pass@2' before). A
+    line that is not one of this evaluation's batches is refused, not counted (a 2-problem eval reported 1002)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    out = str(tmp_path / "eval")
+    settings = {"n": 2, "out_dir": out, "limit": 2, "max_completion_length": 4, "batch_size": 2, "progress": print}
+    first = evaluate([str(model_dir)], "small_sums", k=[1], **settings)["models"]["model"]
+    again = evaluate([str(model_dir)], "small_sums", k=[1, 2], **settings)["models"]["model"]  # the same records
+    assert again["pass@1"] == first["pass@1"] and 0 <= again["pass@1"] <= again["pass@2"] <= 1
+    records = os.path.join(out, "records", "model.jsonl")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # "retrained" into the same path
+    model.save_pretrained(model_dir)
+    before = read_lines(records)
+    evaluate([str(model_dir)], "small_sums", k=[1], **settings)
+    after = read_lines(records)
+    assert json.loads(after[0])["settings"]["weights_sha256"] != json.loads(before[0])["settings"]["weights_sha256"]
+    assert after[1] != before[1]  # evaluated again: other completions' verdicts or answers
+    good = read_lines(records)
+    batch = json.loads(good[1])
+    for extra, problem in [(json.dumps({**batch, "batch": 7, "problems": 1000}), "not one of this evaluation"),
+                           (json.dumps([1, 2]), "not a batch record"),
+                           (json.dumps({k: v for k, v in batch.items() if k != "reward_sum"}), "repeated|sums"),
+                           (json.dumps(batch), "repeated")]:  # fmt: skip
+        with open(records, "w") as f:
+            f.write("\n".join([*good, extra]) + "\n")
+        with pytest.raises(ValueError, match=problem):
+            evaluate([str(model_dir)], "small_sums", k=[1], **settings)
 
 
 def test_bad_input_fails_before_any_model_is_loaded(tmp_path):

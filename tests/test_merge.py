@@ -219,7 +219,7 @@ def test_merge_search_state_dict_resumes_identically():
     run(search, 3)
     state = json.loads(json.dumps(search.state_dict()))  # data only: it goes through JSON unchanged
     continued = run(search, 4)
-    resumed_search = MergeSearch(2, 3, seed=2)
+    resumed_search = MergeSearch(2, 3, seed=1)
     resumed_search.load_state_dict(state)
     resumed = run(resumed_search, 4)
     assert all(torch.equal(a, b) for a, b in zip(continued, resumed, strict=True))
@@ -227,6 +227,9 @@ def test_merge_search_state_dict_resumes_identically():
     assert search.best()[1] == resumed_search.best()[1]
     with pytest.raises(ValueError, match="state has 6 coefficients"):
         MergeSearch(3, 3).load_state_dict(state)
+    for other, field in [({"popsize": 9}, "population_size"), ({"sigma0": 0.5}, "merge_sigma"), ({"seed": 2}, "seed")]:
+        with pytest.raises(ValueError, match=f"checkpointed with other {field}"):  # not kept silently
+            MergeSearch(2, 3, **{"seed": 1, **other}).load_state_dict(state)
 
 
 def test_merge_search_refuses_bad_tells():

@@ -90,6 +90,25 @@ def test_a_failed_step_leaves_weights_and_optimizer_state_bitwise(tmp_path, tiny
     assert all(p.grad is None for p in trainer.model.parameters())  # no gradient left for a later step()
 
 
+def test_an_optimizer_step_that_overflows_is_refused_inside_the_step(tmp_path, tiny_model_dir):
+    """The optimizer steps inside the guarded ES step and its result is checked like every other update: SGD at
+    lr=3e38 turned 26 of 27 tensors into inf while training reported success. Now: an error naming the tensor, θ
+    restored bitwise, and the distance metric of a normal step is that step's own (it lagged one step)."""
+    from transformers import AutoModelForCausalLM
+
+    args = es_config(tmp_path, max_steps=1, es_optimizer=True, optim="sgd", learning_rate=3e38)
+    trainer = ESTrainer(tiny_model_dir, reward, args=args, train_dataset=PROMPTS)
+    with pytest.raises(FloatingPointError, match="optimizer's step made"):
+        trainer.train()
+    assert same(weights(trainer.model), weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir)))
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    trainer = ESTrainer(
+        tiny_model_dir, reward, args=es_config(tmp_path, max_steps=1, **SGD_MOMENTUM), train_dataset=PROMPTS
+    )
+    trainer.train()
+    assert trainer.state.log_history[0]["es/rel_distance_from_start"] > 0  # the step's own update, not the last one's
+
+
 @pytest.mark.parametrize(
     "settings",
     [ADAMW, SGD_MOMENTUM, {**ADAMW, "es_search_space": "lowrank", "lowrank_rank": 2}],

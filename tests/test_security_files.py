@@ -159,9 +159,14 @@ def test_a_recipe_cannot_construct_python_objects(tmp_path, tiny_model_dir):
         f"model_name_or_path: {tiny_model_dir}\n"
         f"output_dir: !!python/object/apply:builtins.exec [\"open({str(marker)!r}, 'w').write('x')\"]\n"
     )
-    with pytest.raises(Exception):  # noqa: B017 - PyYAML's safe loader refuses the tag
-        main(["es", "--config", str(recipe), "--max_steps", "1"])
+    with pytest.raises(
+        SystemExit, match=r"^trl-es es: the recipe is not plain YAML data .*python/object.*nothing ran"
+    ):
+        main(["es", "--config", str(recipe), "--max_steps", "1"])  # one line, no traceback
     assert not marker.exists()
+    recipe.write_text(f"model_name_or_path: [{tiny_model_dir}\n")
+    with pytest.raises(SystemExit, match=r"^trl-es es: the recipe is not plain YAML data .*line 2"):
+        main(["es", "--config", str(recipe)])
 
 
 @pytest.fixture

@@ -2,7 +2,9 @@
 config without weights, no weights without a tokenizer — and a crash while a checkpoint is written leaves no
 partial `checkpoint-K` (tests/test_security_crash.py kills real runs at every step of a checkpoint)."""
 
+import fcntl
 import os
+import subprocess
 
 import pytest
 import transformers.modeling_utils
@@ -54,4 +56,42 @@ def test_checkpoints_are_published_whole_and_the_staging_folder_is_cleaned(tmp_p
     assert {"model.safetensors", "trainer_state.json", "optimizer.pt", "rng_state.pth"} <= set(
         os.listdir(out / "checkpoint-2")
     )
-    assert not (out / ".staging").exists() or os.listdir(out / ".staging") == []
+    assert not (out / ".staging").exists() and not (out / ".trl-es.lock").exists()  # nothing left behind
+
+
+def test_the_next_save_clears_what_a_killed_save_left_of_its_own_target_only(tmp_path, tiny_model_dir, prompt_dataset):
+    """A SIGKILL (or a Ctrl-C before its clean-up) leaves `.<target>.<pid>.XXXX.partial` beside the target; the next
+    save of that target removes it, and leaves a live process's staging and other targets' alone."""
+    trainer = ESTrainer(tiny_model_dir, reward, args=es_config(tmp_path, max_steps=1), train_dataset=prompt_dataset)
+    trainer.train()
+    dead = _dead_pid()
+    left = [tmp_path / f".saved.{dead}.abc.partial", tmp_path / f".saved.{os.getppid()}.def.partial",
+            tmp_path / f".other.{dead}.ghi.partial"]  # fmt: skip
+    for folder in left:
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+    trainer.save_model(str(tmp_path / "saved"))
+    assert [folder.exists() for folder in left] == [False, True, True]
+
+
+def _dead_pid() -> int:
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid  # reaped: no process has it (until the system reuses it)
+
+
+def test_a_second_run_into_the_same_output_dir_is_refused_and_writes_nothing(tmp_path, tiny_model_dir, prompt_dataset):
+    """Two runs checkpointing into one output_dir (a requeued job while the old one still runs) would delete each
+    other's staged files and publish incomplete checkpoints: the second is refused while the first holds the lock."""
+    args = es_config(tmp_path, max_steps=1, save_strategy="steps", save_steps=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / ".trl-es.lock", "a+") as running:  # the first run, holding the directory
+        fcntl.flock(running, fcntl.LOCK_EX)
+        running.write("4242"), running.flush()
+        trainer = ESTrainer(tiny_model_dir, reward, args=args, train_dataset=prompt_dataset)
+        with pytest.raises(RuntimeError, match=r"another training run \(process 4242\)"):
+            trainer.train()
+        assert not [p for p in out.iterdir() if p.name.startswith("checkpoint-")]
+    trainer.train()  # the first run is over: this one may write
+    assert (out / "checkpoint-1" / "model.safetensors").is_file()

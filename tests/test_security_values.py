@@ -36,6 +36,17 @@ def test_a_reward_beyond_float32_is_an_error_naming_it_and_the_weights_stay(
     assert_same_weights(trainer.model, before)
 
 
+def test_a_huge_integer_reward_and_a_non_finite_weight_decay_are_refused_naming_them(tmp_path):
+    from trl_es.rewards.contract import _as_reward
+
+    with pytest.raises(ValueError, match="'huge_int' returned 1000000000.* at position 3, beyond what float32"):
+        _as_reward(10**400, "huge_int", 3)  # math.isinf(10**400) raised OverflowError, naming nothing
+    assert _as_reward(10**30, "big", 0) == 1e30
+    for value in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="weight_decay"):
+            config(tmp_path, weight_decay=value)
+
+
 def test_a_weighted_sum_beyond_float32_is_refused(tmp_path, tiny_model_dir, prompt_dataset):
     funcs = [huge_for_long_or_moderate, huge_for_long_or_moderate]
     trainer = ESTrainer(tiny_model_dir, funcs, args=config(tmp_path), train_dataset=prompt_dataset)

@@ -2,6 +2,7 @@
 
 import math
 import os
+import tempfile
 
 import pytest
 import torch
@@ -179,7 +180,7 @@ def test_trainer_writes_the_sparse_delta_and_its_statistics_at_save(tmp_path, ti
         es_config(tmp_path, sparse_delta_tau=-1.0)
 
 
-def test_sparsity_sweep_scores_thresholded_models_and_plots(tmp_path, tiny_model_dir):
+def test_sparsity_sweep_scores_thresholded_models_and_plots(tmp_path, tiny_model_dir, monkeypatch):
     import json
 
     from transformers import AutoModelForCausalLM
@@ -193,6 +194,9 @@ def test_sparsity_sweep_scores_thresholded_models_and_plots(tmp_path, tiny_model
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 2e-3)
     model.save_pretrained(tuned_dir)
     out = tmp_path / "sweep"
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
     rows = sweep(
         [
             "--base",
@@ -213,3 +217,4 @@ def test_sparsity_sweep_scores_thresholded_models_and_plots(tmp_path, tiny_model
     assert all(0 <= row["score"] <= 1 for row in rows)
     assert json.loads((out / "sweep.json").read_text())["rows"] == rows
     assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert os.listdir(private) == [] and set(os.listdir(out)) == {"sweep.json", "sweep.png"}  # nothing left behind

@@ -60,6 +60,11 @@ def test_quick_study_writes_the_comparison_and_resumes(tmp_path, tiny_model_dir,
     assert trained == {m: os.path.getmtime(out / m / "training.json") for m in trained}
     scores = ("pass@1", "pass@4", "maj@4", "mean_token_entropy")  # the finished evaluation batches are reused
     assert [again["models"]["es"]["eval"][s] for s in scores] == [results["models"]["es"]["eval"][s] for s in scores]
+    for flag, value in [("--budget-minutes", "0.002"), ("--model", str(tmp_path / "study" / "grpo"))]:
+        argv = quick(tmp_path / "study", tiny_model_dir)
+        argv[argv.index(flag) + 1] = value  # another budget or base on the same --out: not reported as this run's
+        with pytest.raises(ValueError, match="was trained with other .* than this run's"):
+            study(argv)
 
 
 @pytest.mark.parametrize(

@@ -58,13 +58,38 @@ def publish_directory(staging: str, target: str) -> None:
     shutil.rmtree(replaced, ignore_errors=True)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def clear_crashed_staging(target: str) -> None:
+    """Remove the staging directories of `target` that a process no longer alive left behind (a SIGKILL, or an
+    interrupt that came before its own clean-up); a live process's staging is left alone."""
+    parent, name = os.path.split(os.path.abspath(target))
+    prefix = f".{name}."
+    for entry in os.listdir(parent) if os.path.isdir(parent) else ():
+        pid = entry[len(prefix) :].split(".", 1)[0]
+        if entry.startswith(prefix) and entry.endswith(".partial") and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_directory(target: str):
     """Yield a staging directory to fill; on success its files appear in `target` (created if missing; existing
-    files of the same names replaced), on an exception `target` is left as it was and the staging removed."""
+    files of the same names replaced), on an exception `target` is left as it was and the staging removed. The
+    staging is named after this process, so the next save of `target` clears what a killed one left."""
     parent = os.path.dirname(os.path.abspath(target))
     os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(target))}.", suffix=".partial", dir=parent)
+    clear_crashed_staging(target)
+    prefix = f".{os.path.basename(os.path.abspath(target))}.{os.getpid()}."
+    with interrupts_held():  # no Ctrl-C between making the staging and owning its clean-up
+        staging = tempfile.mkdtemp(prefix=prefix, suffix=".partial", dir=parent)
     try:
         yield staging
         if not os.path.isdir(target):
@@ -76,7 +101,8 @@ def atomic_directory(target: str):
                 os.replace(os.path.join(staging, name), os.path.join(target, name))
         fsync_directory(target)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        with interrupts_held():  # a second Ctrl-C does not cut the clean-up short
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def atomic_write_text(path: str, text: str) -> None:

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import re
 import warnings
 from typing import TypedDict
 
@@ -28,6 +30,7 @@ import torch
 
 from .atomic import atomic_write_text
 from .compat import import_extra
+from .es.noise import CHUNK, MAX_TABLE_SIZE
 from .es.space import SEARCH_SPACES, optimizer_header, rebuild_optimizer, step_optimizer
 from .es.weights import LocalWeights, weights_hash
 
@@ -84,6 +87,39 @@ def _space_class(kind: str):
     return SEARCH_SPACES[kind]
 
 
+def run_header(args, params, space, optimizer) -> dict:
+    """What a run's chain header records of its set-up (all but `base`): the ES parameters' dtype and names, the
+    noise table, the search space (and optimizer), the settings."""
+    optimizer = {"optimizer": optimizer_header(optimizer, params)} if args.es_optimizer and optimizer else {}
+    return {
+        "dtype": str(next(iter(params.values())).dtype).removeprefix("torch."),
+        "parameters": list(params),
+        "noise": {"seed": args.seed, "table_size": args.noise_table_size},
+        "space": {**space.chain_header(), **optimizer},
+        "settings": {name: getattr(args, name) for name in CHAIN_SETTINGS},
+    }
+
+
+RESUME_FIELDS = {"dtype": "the model's dtype", "parameters": "es_parameter_patterns (the parameters ES moves)",
+                 "noise": "seed or noise_table_size", "space": "es_search_space or its settings"}  # fmt: skip
+"""The header parts a resumed run must share with its checkpoint's chain, and the settings that decide them."""
+
+
+def check_resume(chain: Chain, expected: dict, checkpoint: str) -> None:
+    """A ValueError when the run resuming `checkpoint` would record other updates than its chain describes: a resumed
+    chain must still replay to the run's weights."""
+    for key, settings in RESUME_FIELDS.items():
+        recorded, now = chain.header[key], expected[key]
+        if key == "space":  # the optimizer is checked with its state (optimizer.pt against the chain's tip)
+            recorded, now = ({k: v for k, v in part.items() if k != "optimizer"} for part in (recorded, now))
+        if recorded != now:
+            raise ValueError(
+                f"resuming {checkpoint} with other {settings} than it was trained with (its seed chain: "
+                f"{str(recorded)[:120]}; this run: {str(now)[:120]}): the chain would no longer replay to the weights. "
+                "Resume with the checkpoint's settings, or start a new run from it with model=<the checkpoint>"
+            )
+
+
 def new_chain(args, model, params, space, optimizer, model_source: str, new_adapter: bool) -> Chain:
     """The seed chain of a run starting from `model`'s weights now (its first step): `params` are the ES
     parameters, `space` the search space, `optimizer` Trainer's (recorded with `es_optimizer` only)."""
@@ -95,15 +131,7 @@ def new_chain(args, model, params, space, optimizer, model_source: str, new_adap
         es_adapter_only=args.es_adapter_only,
         peft_config=_jsonable(peft_config.to_dict()) if peft_config is not None else None,
     )
-    optimizer = {"optimizer": optimizer_header(optimizer, params)} if args.es_optimizer else {}
-    return Chain(Header(
-        base=base,
-        dtype=str(next(iter(params.values())).dtype).removeprefix("torch."),
-        parameters=list(params),
-        noise={"seed": args.seed, "table_size": args.noise_table_size},
-        space={**space.chain_header(), **optimizer},
-        settings={name: getattr(args, name) for name in CHAIN_SETTINGS},
-    ))  # fmt: skip
+    return Chain(Header(base=base, **run_header(args, params, space, optimizer)))
 
 
 def _jsonable(value):
@@ -116,11 +144,24 @@ def _jsonable(value):
     return value
 
 
-class Chain:
-    """A run's `Header` and, per ES step, its `StepRecord`."""
+class Tip(TypedDict, total=False):
+    """What a saved chain was saved with (`Chain.save`): the SHA-256 of the ES parameters after its last step and,
+    in a checkpoint of an `es_optimizer` run, of its `optimizer.pt`. A resume checks that they belong together."""
 
-    def __init__(self, header: Header, steps: list[StepRecord] | None = None):
-        self.header, self.steps = header, steps or []
+    weights_sha256: str
+    optimizer_sha256: str
+
+
+class Chain:
+    """A run's `Header` and, per ES step, its `StepRecord`; `tip`, what the saved weights were when it was saved."""
+
+    def __init__(self, header: Header, steps: list[StepRecord] | None = None, tip: Tip | None = None):
+        self.header, self.steps, self.tip = header, steps or [], tip
+
+    def span(self) -> tuple[int, int]:
+        """(first, last): the chain rebuilds the weights after any number of steps from first to last."""
+        first = self.steps[0]["step"] if self.steps else 0
+        return first, first + len(self.steps)
 
     def record(self, step: int, update: dict | None) -> None:
         """The update of ES step `step` (global step, 0-based), in order."""
@@ -129,10 +170,12 @@ class Chain:
         self.steps.append({"step": step, "update": update})
 
     def content(self) -> dict:
-        return {"format": FORMAT, "header": self.header, "steps": self.steps}
+        return {"format": FORMAT, "header": self.header, "steps": self.steps, "tip": self.tip}
 
-    def save(self, folder: str) -> str:
-        """Write `folder/es_chain.json` (atomically) and return its path."""
+    def save(self, folder: str, tip: Tip | None = None) -> str:
+        """Write `folder/es_chain.json` (atomically), with the `tip` of the weights saved beside it, and return its
+        path."""
+        self.tip = tip
         content = self.content()
         path = os.path.join(folder, FILE)
         atomic_write_text(path, json.dumps({**content, "checksum": _checksum(content)}, separators=(",", ":")))
@@ -167,34 +210,118 @@ class Chain:
                     break
                 if entry["update"] is not None:
                     weights.capture()
-                    replay(entry["update"])
-                    if optimizer is not None:  # the optimizer's step, as training took it
-                        step_optimizer(optimizer, params, entry["update"]["learning_rates"])
+                    try:
+                        replay(entry["update"])
+                        if optimizer is not None:  # the optimizer's step, as training took it
+                            step_optimizer(optimizer, params, entry["update"]["learning_rates"])
+                    except (KeyError, IndexError, TypeError) as error:
+                        raise ValueError(
+                            f"the update of chain step {entry['step']} is malformed ({error!r})"
+                        ) from error
         weights.release()
         return model
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""What a Hub repository id looks like (owner/name); a path that exists is never one."""
+
+
 def load_chain(source: str) -> Chain:
-    """The chain in `source`: a file, a folder holding es_chain.json, or a Hub repository id holding one. Checked
-    before use: the checksum over its content, the format version and the search space."""
-    path = os.path.join(source, FILE) if os.path.isdir(source) else source
-    if not os.path.isfile(path):
+    """The chain in `source`: a file, a folder holding es_chain.json, or a Hub repository id holding one. A local path
+    that exists is never taken for a Hub id. Checked before use: the checksum over its content, the format version,
+    the search space, and every field's type and range (a crafted file is a ValueError, never a crash)."""
+    if os.path.isdir(source):
+        path = os.path.join(source, FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"{source} holds no {FILE}: it is not a run directory or a checkpoint with a chain"
+            )
+    elif os.path.isfile(source):
+        path = source
+    elif HUB_ID.fullmatch(source) and not source.startswith("."):
         from huggingface_hub import hf_hub_download
 
         path = hf_hub_download(source, FILE)
+    else:
+        raise FileNotFoundError(f"no seed chain at {source!r}: give es_chain.json, a folder holding it or a Hub id")
     try:
         with open(path, encoding="utf-8") as file:
-            data = json.load(file)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} is not a readable seed chain (truncated?): {error}") from error
+            data = json.load(file, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise ValueError(f"{path} is not a readable seed chain (truncated, or nested too deep): {error!r}") from error
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise ValueError(f"{path} is a seed chain of format {found!r}; this trl-es reads {FORMAT!r}")
-    content = {key: data.get(key) for key in ("format", "header", "steps")}
+    content = {key: data.get(key) for key in ("format", "header", "steps", "tip") if key in data}
     if data.get("checksum") != _checksum(content):
         raise ValueError(f"{path} does not match its checksum: it was edited or cut short")
-    _space_class(data["header"]["space"]["kind"])
-    return Chain(data["header"], data["steps"])
+    _check_content(data, path)
+    return Chain(data["header"], data["steps"], data.get("tip"))
+
+
+def _no_duplicates(pairs: list[tuple]) -> dict:
+    keys = [key for key, _ in pairs]
+    if len(keys) != len(set(keys)):
+        raise json.JSONDecodeError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}", "", 0)
+    return dict(pairs)
+
+
+def _no_constant(name: str):
+    raise json.JSONDecodeError(f"{name} is not a number a chain may hold", "", 0)
+
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+def _check_content(data: dict, path: str) -> None:
+    """Every field a replay reads, of the right type and range (`ValueError` naming the first that is not)."""
+
+    def require(ok: bool, what: str) -> None:
+        if not ok:
+            raise ValueError(f"{path}: {what}")
+
+    header, steps = data.get("header"), data.get("steps")
+    require(isinstance(header, dict), "the header is missing")
+    base, noise, space = header.get("base"), header.get("noise"), header.get("space")
+    require(isinstance(base, dict) and isinstance(base.get("model"), str), "header.base.model must be a string")
+    require(isinstance(base.get("sha256"), str) and len(base["sha256"]) == 64, "header.base.sha256 must be a SHA-256")
+    require(base.get("peft_config") is None or isinstance(base["peft_config"], dict), "bad header.base.peft_config")
+    require(header.get("dtype") in DTYPES, f"header.dtype must be one of {DTYPES}")
+    names = header.get("parameters")
+    require(isinstance(names, list) and names and all(isinstance(n, str) for n in names), "bad header.parameters")
+    require(isinstance(noise, dict) and _is_int(noise.get("seed")), "header.noise.seed must be an integer")
+    size = noise.get("table_size")
+    require(
+        _is_int(size) and CHUNK <= size <= MAX_TABLE_SIZE,
+        f"header.noise.table_size must be in {CHUNK}..{MAX_TABLE_SIZE}",
+    )
+    require(isinstance(space, dict), "header.space is missing")
+    _space_class(space.get("kind"))
+    require(isinstance(steps, list), "steps must be a list")
+    previous = None
+    for entry in steps:
+        require(isinstance(entry, dict) and _is_int(entry.get("step")), f"a step record is malformed: {entry!r:.80}")
+        require(previous is None or entry["step"] == previous + 1, f"step {entry['step']} does not follow {previous}")
+        require(entry.get("update") is None or isinstance(entry["update"], dict), f"step {entry['step']}: bad update")
+        require(_finite_numbers(entry.get("update")), f"step {entry['step']}: a number is not finite or out of range")
+        previous = entry["step"]
+
+
+def _is_int(value) -> bool:
+    return type(value) is int and 0 <= value < 1 << 63
+
+
+def _finite_numbers(value) -> bool:
+    """Every number in `value` finite in float64 (ints within 64 bits): what replay turns into floats and seeds."""
+    if isinstance(value, dict):
+        return all(_finite_numbers(item) for item in value.values())
+    if isinstance(value, list):
+        return all(_finite_numbers(item) for item in value)
+    if type(value) is int:
+        return abs(value) < 1 << 64
+    if type(value) is float:
+        return math.isfinite(value)
+    return True
 
 
 def load_base(path: str, header: dict) -> torch.nn.Module:
@@ -209,7 +336,11 @@ def load_base(path: str, header: dict) -> torch.nn.Module:
     model = load_starting_model(path, base["es_adapter_only"], **{k: v for k, v in kwargs.items() if v is not None})
     if base["peft_config"] is not None:
         get_peft_config = import_extra("peft", "peft", "replaying a chain of new adapters").get_peft_config
-        model = add_adapter(model, get_peft_config(base["peft_config"]), header["noise"]["seed"])
+        try:
+            config = get_peft_config(base["peft_config"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"the chain's header.base.peft_config is not one peft can build: {error!r}") from error
+        model = add_adapter(model, config, header["noise"]["seed"])
     return model
 
 
@@ -219,8 +350,11 @@ def replay(chain: Chain, base: str, out: str, steps: int | None = None, force: b
     from .atomic import atomic_directory
     from .loading import load_tokenizer
 
-    if os.path.exists(out):
+    if os.path.lexists(out):  # a dangling symlink too
         raise ValueError(f"--out {out} already exists; choose a new directory")
+    first, last = chain.span()
+    if steps is not None and not first <= steps <= last:
+        raise ValueError(f"--steps {steps} is outside this chain, which holds the weights after {first}..{last} steps")
     model = chain.apply(load_base(base, chain.header), steps, force)
     with atomic_directory(out) as staging:
         model.save_pretrained(staging)
@@ -240,4 +374,4 @@ def main(argv: list[str] | None = None) -> None:
     chain = load_chain(options.chain)
     base = options.base or chain.header["base"]["model"]
     replay(chain, base, options.out, options.steps, options.force)
-    print(f"Model after {options.steps or len(chain.steps)} steps saved to {options.out}.")
+    print(f"Model after {chain.span()[1] if options.steps is None else options.steps} steps saved to {options.out}.")

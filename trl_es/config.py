@@ -14,7 +14,7 @@ from transformers import TrainingArguments
 
 from .es import SEARCH_SPACES
 from .es.fitness import SHAPINGS
-from .es.noise import CHUNK
+from .es.noise import CHUNK, MAX_TABLE_SIZE
 from .grpo_fields import check_grpo_only_fields, grpo_only_fields_class
 
 
@@ -448,10 +448,13 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             refuse("fitness_shaping", f"choose one of {SHAPINGS}")
         if self.es_baseline not in BASELINES:
             refuse("es_baseline", f"choose one of {BASELINES}")
-        if self.noise_table_size < CHUNK:
-            refuse("noise_table_size", f"it must hold at least one noise window ({CHUNK} values)")
-        if self.weight_decay < 0:
-            refuse("weight_decay", "must be ≥ 0")
+        if not CHUNK <= self.noise_table_size <= MAX_TABLE_SIZE:
+            refuse(
+                "noise_table_size",
+                f"it must hold at least one noise window ({CHUNK} values), at most {MAX_TABLE_SIZE}",
+            )
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            refuse("weight_decay", "must be a finite number ≥ 0")
         if self.multi_objective_aggregation not in AGGREGATIONS:
             refuse("multi_objective_aggregation", f"choose one of {AGGREGATIONS}")
         plain_update = self.es_search_space != "merge" and not self.es_optimizer

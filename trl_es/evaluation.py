@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import os
 import sys
 import time
@@ -27,6 +28,7 @@ import torch
 from .atomic import atomic_write_text
 from .compat import import_extra
 from .es.seeds import completion_seeds, eval_seed
+from .es.weights import weights_hash
 from .metrics import maj_at_k, pass_at_k
 from .tasks import SUCCESS_THRESHOLD, TASKS, Task, get_task
 from .tasks.data import completion_text
@@ -161,8 +163,13 @@ def evaluate_model(
 
     from .generation import TransformersGeneration
 
-    done = _read_records(records_path, settings)
     model, tokenizer, eos_ids = _load(model_path)
+    settings = {**settings, "weights_sha256": weights_hash(dict(model.named_parameters()))}  # the records' model
+    n_batches = -(-len(dataset) // batch_size)
+    sizes = {b: min(batch_size, len(dataset) - b * batch_size) for b in range(n_batches)}
+    done = _read_records(records_path, settings, sizes, n, progress)
+    for record in done.values():  # Pass@K / Maj@K for this run's K, from the kept verdicts and answers
+        record.update(score_problems(range(record["problems"]), record["correct"], record["answers"], n, k_values))
     config = GenerationConfig(
         max_new_tokens=settings["max_completion_length"],
         do_sample=True,
@@ -174,7 +181,7 @@ def evaluate_model(
         disable_compile=True,
     )
     generation = TransformersGeneration(model, tokenizer, config, eos_ids)
-    start, n_batches = time.perf_counter(), -(-len(dataset) // batch_size)
+    start = time.perf_counter()
     with open(records_path, "a") as out:
         if not done:
             out.write(json.dumps({"settings": settings}) + "\n")
@@ -217,9 +224,11 @@ def task_rewards(task: Task, n: int) -> Callable:
     return rewards_of
 
 
-def _read_records(path: str, settings: dict) -> dict[int, dict]:
-    """The finished batches of an earlier run with the same settings (a ValueError for other settings). A last
-    line cut short by an interruption is dropped from the file: that batch is generated again."""
+def _read_records(path: str, settings: dict, sizes: dict[int, int], n: int, progress=_report) -> dict[int, dict]:
+    """The finished batches of an earlier run with the same settings (a ValueError for other settings). Records of
+    other weights (the model at that path was trained again since) are discarded, with a message: the model is
+    evaluated again. A last line cut short by an interruption is dropped from the file: that batch is generated
+    again. Every record is checked against this evaluation (`sizes`: batch → problems, `n` completions each)."""
     if not os.path.isfile(path):
         return {}
     with open(path) as f:
@@ -232,12 +241,48 @@ def _read_records(path: str, settings: dict) -> dict[int, dict]:
             if number < len(lines) - 1:
                 raise ValueError(f"{path} line {number + 1} is corrupt; delete the file to start over") from error
             atomic_write_text(path, "".join(kept + "\n" for kept in lines[:-1]))  # keep the complete lines only
-    if records and records[0].get("settings") != settings:
+    if not records:
+        return {}
+    recorded = records[0].get("settings") if isinstance(records[0], dict) else None
+    if isinstance(recorded, dict) and {**recorded, "weights_sha256": None} == {**settings, "weights_sha256": None}:
+        if recorded.get("weights_sha256") != settings["weights_sha256"]:
+            progress(f"  {path}: made with other weights (the model changed since): evaluating again")
+            os.remove(path)
+            return {}
+    elif recorded != settings:
         raise ValueError(
-            f"{path} holds an evaluation with other settings ({records[0].get('settings')}); use another --out-dir "
-            "or delete it to start over"
+            f"{path} holds an evaluation with other settings ({recorded}); use another --out-dir or delete it to "
+            "start over"
         )
-    return {record["batch"]: record for record in records[1:]}
+    done = {}
+    for number, record in enumerate(records[1:], start=2):
+        problem = _record_problem(record, sizes, n, done)
+        if problem:
+            raise ValueError(
+                f"{path} line {number} is not a batch of this evaluation ({problem}); delete the file to start over"
+            )
+        done[record["batch"]] = record
+    return done
+
+
+def _record_problem(record, sizes: dict[int, int], n: int, done: dict) -> str | None:
+    """What is wrong with one records line, or None."""
+    if not isinstance(record, dict) or type(record.get("batch")) is not int:
+        return "not a batch record"
+    batch = record["batch"]
+    if batch not in sizes or batch in done:
+        return f"batch {batch} is {'repeated' if batch in done else 'not one of this evaluation'}"
+    if record.get("problems") != sizes[batch]:
+        return f"batch {batch} holds {record.get('problems')!r} problems, this evaluation's has {sizes[batch]}"
+    correct, answers = record.get("correct"), record.get("answers")
+    if not (isinstance(correct, list) and len(correct) == sizes[batch] * n and all(type(c) is bool for c in correct)):
+        return f"batch {batch} lacks its {sizes[batch] * n} verdicts"
+    if answers is not None and not (isinstance(answers, list) and len(answers) == len(correct)):
+        return f"batch {batch}'s answers do not match its verdicts"
+    sums = ("completions", "reward_sum", "rewards", "tokens", "entropy_sum")
+    if not all(type(record.get(key)) in (int, float) and math.isfinite(record[key]) for key in sums):
+        return f"batch {batch} lacks its sums"
+    return None
 
 
 def summarize_records(records: list[dict], k_values: list[int], maj: bool, reduce: Callable | None = None) -> dict:

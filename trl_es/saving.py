@@ -12,11 +12,14 @@ chain. `push_to_hub(chain_only=True)` publishes just the chain and a model card 
 Every save is atomic (`trl_es.atomic`): a checkpoint is written whole into `<output_dir>/.staging/checkpoint-K`,
 flushed to disk and renamed to `checkpoint-K`, and only then are older checkpoints rotated away, so a crash at any
 moment leaves every `checkpoint-K` complete and `resume_from_checkpoint=True` (the newest one) resumable; a saved
-model's files appear together or not at all.
+model's files appear together or not at all. A run holds a lock on its `output_dir` (`.trl-es.lock`), so a second
+run writing into the same directory is refused rather than mixing its checkpoints with the first's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
@@ -27,7 +30,9 @@ from trl.trainer.utils import get_config_model_id
 from . import sparse
 from .atomic import atomic_directory, publish_directory
 from .chains import FILE as CHAIN_FILE
-from .chains import Chain, load_chain
+from .chains import Chain, check_resume, load_chain, run_header
+from .es.weights import weights_hash
+from .reporting import window_means
 
 
 STAGING = ".staging"
@@ -41,8 +46,45 @@ MODEL_CARD_FIELDS = (
 """The ESConfig fields the model card lists."""
 
 
+LOCK = ".trl-es.lock"
+"""The file of `output_dir` a training run holds an exclusive lock on (`SavingMixin.lock_output_dir`)."""
+
+
 class SavingMixin:
     """Checkpoints, `save_model` and the model card of `ESTrainer` (see the module docstring)."""
+
+    _lock = None
+
+    def lock_output_dir(self) -> None:
+        """Hold an exclusive `flock` on `<output_dir>/.trl-es.lock` for the run (main process): a second run writing
+        checkpoints into the same directory (a requeued job while the old one still runs) is refused instead of
+        interleaving its staged files with the first's. The operating system releases it when the process dies."""
+        if not self.args.should_save or self._lock is not None:
+            return
+        import fcntl
+
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        lock = open(os.path.join(self.args.output_dir, LOCK), "a+")  # noqa: SIM115 - held for the run
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "unknown"
+            lock.close()
+            raise RuntimeError(
+                f"output_dir {self.args.output_dir!r} is being written by another training run (process {holder}): "
+                "two runs checkpointing into one directory would overwrite each other's checkpoints. Stop the other "
+                "run, or give this one another output_dir."
+            ) from None
+        lock.seek(0), lock.truncate(), lock.write(str(os.getpid())), lock.flush()
+        self._lock = lock
+
+    def unlock_output_dir(self) -> None:
+        if self._lock is not None:
+            with contextlib.suppress(OSError):
+                os.remove(self._lock.name)
+            self._lock.close()  # closing the file releases the lock
+            self._lock = None
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Trainer's checkpoint loading (under ZeRO-3 into the gathered θ, keeping this process's slice), then the
@@ -50,10 +92,35 @@ class SavingMixin:
         with self._full_parameters():
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             self.processes.write_shards(self.model.parameters())
+            if os.path.isfile(os.path.join(resume_from_checkpoint, CHAIN_FILE)):  # else a new chain starts from here
+                self.chain = load_chain(resume_from_checkpoint)
+                self._check_checkpoint(resume_from_checkpoint)
         self.weights.loaded(resume_from_checkpoint)
         self.space.load_state(resume_from_checkpoint)
-        if os.path.isfile(os.path.join(resume_from_checkpoint, CHAIN_FILE)):  # else a new chain starts from here
-            self.chain = load_chain(resume_from_checkpoint)
+
+    def _check_checkpoint(self, checkpoint: str) -> None:
+        """The checkpoint's parts belong together and to this run: its weights (and optimizer state) are those its
+        chain was saved with, and this run would record the same kind of updates (`chains.check_resume`)."""
+        check_resume(self.chain, run_header(self.args, self.es_params, self.space, None), checkpoint)
+        tip = self.chain.tip or {}
+        if "weights_sha256" in tip and weights_hash(self.es_params) != tip["weights_sha256"]:
+            raise ValueError(
+                f"{checkpoint}: its {CHAIN_FILE} was saved with other weights than the checkpoint's (a file copied from "
+                "another run?): the chain would not rebuild this model"
+            )
+        optimizer = os.path.join(checkpoint, "optimizer.pt")
+        if "optimizer_sha256" in tip and not (
+            os.path.isfile(optimizer) and file_sha256(optimizer) == tip["optimizer_sha256"]
+        ):
+            raise ValueError(f"{checkpoint}: optimizer.pt is not the optimizer state its {CHAIN_FILE} was saved with")
+
+    def _chain_tip(self, folder: str) -> dict:
+        """What the weights saved in `folder` are, for the chain saved beside them."""
+        tip = {"weights_sha256": weights_hash(self.es_params)}
+        optimizer = os.path.join(folder, "optimizer.pt")
+        if self.args.es_optimizer and os.path.isfile(optimizer):
+            tip["optimizer_sha256"] = file_sha256(optimizer)
+        return tip
 
     _staging_checkpoint = False
 
@@ -65,12 +132,22 @@ class SavingMixin:
     def _save_checkpoint(self, model, trial):
         """Trainer's checkpoint plus the search space's state, written into the staging folder by every process,
         then published by the main process in one rename; older checkpoints are rotated only after that."""
-        if self._metrics:  # the steps since the last log reach the checkpoint's trainer state
-            self.log({})
+        # The steps since the last log reach the checkpoint's trainer state as a record of their own, while the run
+        # keeps them for its next log (GRPOTrainer's records: the last window folds into the final summary).
+        pending = {**window_means(self._metrics), "step": self.state.global_step} if self._metrics else None
+        if pending:
+            self.state.log_history.append(pending)
+        try:
+            self._write_checkpoint(model, trial)
+        finally:
+            if pending:
+                self.state.log_history.remove(pending)
+
+    def _write_checkpoint(self, model, trial):
         run_dir, name = self._get_output_dir(trial), f"checkpoint-{self.state.global_step}"
         staging = os.path.join(run_dir, STAGING, name)
-        if self.args.should_save:
-            shutil.rmtree(os.path.join(run_dir, STAGING), ignore_errors=True)  # what a crash left
+        if self.args.should_save:  # this run holds the directory's lock: what is in the staging, a crash left
+            shutil.rmtree(os.path.join(run_dir, STAGING), ignore_errors=True)
             os.makedirs(staging)
         self.accelerator.wait_for_everyone()
         self._staging_checkpoint = True
@@ -81,10 +158,12 @@ class SavingMixin:
         if self.args.should_save:
             self.space.save_state(staging)
             if self.chain is not None:
-                self.chain.save(staging)
+                self.chain.save(staging, self._chain_tip(staging))
         self.accelerator.wait_for_everyone()  # every process's files (e.g. its RNG state) are in
         if self.args.should_save:
             publish_directory(staging, os.path.join(run_dir, name))
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(run_dir, STAGING))  # empty now
             limit, best = self.args.save_total_limit, self.state.best_model_checkpoint
             rotate_checkpoints(output_dir=run_dir, save_total_limit=limit, best_model_checkpoint=best, use_mtime=True)
         self.accelerator.wait_for_everyone()
@@ -100,7 +179,7 @@ class SavingMixin:
                 with atomic_directory(output_dir) as staging:
                     super().save_model(staging, _internal_call=True)  # Trainer pushes below, once published
                     if self.chain is not None:
-                        self.chain.save(staging)
+                        self.chain.save(staging, self._chain_tip(staging))
                     if self.args.sparse_delta_tau is not None:
                         self._sparse_delta_card = sparse.write_model_delta(
                             self.model, staging, self.args.sparse_delta_tau
@@ -151,6 +230,14 @@ class SavingMixin:
                 card.write(chain_card(self.chain, repo_id, os.path.getsize(os.path.join(folder, CHAIN_FILE))))
             return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
                                      revision=revision or self.args.hub_revision)  # fmt: skip
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def chain_card(chain: Chain, repo_id: str, size: int) -> str:

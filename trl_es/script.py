@@ -19,6 +19,8 @@ import importlib
 import os
 import sys
 
+import yaml
+
 from .compat import subtract_subsequence
 from .config import ESConfig, unknown_field_error
 from .tasks import TASKS
@@ -178,6 +180,10 @@ def run(argv: list[str]) -> None:
             launch_command(launch_command_parser().parse_args(command))
             return
         trainer = build_trainer(*parsed)
+    except yaml.YAMLError as error:  # a syntax error, or a tag such as !!python/... that safe loading refuses
+        where = getattr(error, "problem_mark", None)
+        raise SystemExit(f"trl-es es: the recipe is not plain YAML data ({getattr(error, 'problem', None) or error}"
+                         f"{f', line {where.line + 1}' if where else ''}); nothing ran") from error  # fmt: skip
     except (ValueError, TypeError, FileNotFoundError) as error:
         raise SystemExit(f"trl-es es: {error}") from error
     train_and_save(trainer, parsed[0], parsed[1])

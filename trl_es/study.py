@@ -20,6 +20,8 @@ starts over) and the evaluation keeps its finished batches.
 from __future__ import annotations
 
 import argparse
+import glob
+import hashlib
 import json
 import os
 import time
@@ -108,23 +110,47 @@ def train(kind: str, model: str, output_dir: str, dataset, options) -> dict:
             "completions": steps * completions_per_step, "history": deadline.history}  # fmt: skip
 
 
+def stage_inputs(kind: str, options, start: str) -> dict:
+    """Everything a stage's result depends on: what it starts from (path and weights), the budget, the task and
+    reward, the trainer's settings. A stage trained with other inputs is not reused."""
+    weights = sorted(glob.glob(os.path.join(start, "*.safetensors")))
+    digest = hashlib.sha256()
+    for path in weights:
+        with open(path, "rb") as file:
+            for block in iter(lambda: file.read(1 << 24), b""):
+                digest.update(block)
+    return {"starts_from": start, "weights_sha256": digest.hexdigest() if weights else None,
+            "budget_minutes": options.budget_minutes, "max_steps": options.max_steps, "seed": options.seed,
+            "task": options.task, "train_split": options.train_split, "reward": options.reward,
+            "max_completion_length": options.max_completion_length, "settings": stage_settings(kind, options)}  # fmt: skip
+
+
 def train_methods(options, dataset, progress) -> dict:
-    """Every method's training record, training those not finished in an earlier run."""
+    """Every method's training record, training those not finished in an earlier run with the same inputs (a
+    ValueError for a stage trained with other ones: its result would be reported beside this run's settings)."""
     records = {}
     for method in options.methods:
         output_dir = os.path.join(options.out, method)
         record_path = os.path.join(output_dir, "training.json")
+        *first, kind = method.split("-")
+        start = os.path.join(options.out, first[0]) if first else options.model
+        inputs = stage_inputs(kind, options, start)
         if os.path.isfile(record_path):
             with open(record_path) as file:
                 records[method] = json.load(file)
+            changed = sorted(k for k in inputs if records[method].get("inputs", {}).get(k) != inputs[k])
+            if changed:
+                raise ValueError(
+                    f"{output_dir} was trained with other {', '.join(changed)} than this run's: use another --out, or "
+                    f"delete {output_dir} to train {method} again"
+                )
             progress(f"{method}: trained in an earlier run ({records[method]['steps']} steps), not again")
             continue
-        *first, kind = method.split("-")
-        start = os.path.join(options.out, first[0]) if first else options.model
         progress(f"{method}: {kind.upper()} from {start} for {options.budget_minutes:g} min with "
                  f"{stage_settings(kind, options)}")  # fmt: skip
         records[method] = train(kind, start, output_dir, dataset, options)
         records[method]["starts_from"] = first[0] if first else "base"
+        records[method]["inputs"] = inputs
         atomic_write_text(record_path, json.dumps(records[method], indent=1))
         progress(f"{method}: {records[method]['steps']} steps in {records[method]['seconds']:.0f} s")
     return records

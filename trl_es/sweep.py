@@ -88,24 +88,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     base_dir = smollm2_dir() if options.base == "smollm2" else options.base
     base = dict(AutoModelForCausalLM.from_pretrained(base_dir).named_parameters())
     tuned = dict(AutoModelForCausalLM.from_pretrained(options.tuned).named_parameters())
-    args = ESConfig(
-        output_dir=tempfile.mkdtemp(),
-        max_completion_length=12,
-        generation_kwargs={"do_sample": False},
-        report_to="none",
-    )
-    trainer = ESTrainer(base_dir, first_integer_reward, args=args, train_dataset=small_sums("train"))
-    params, held_out = dict(trainer.model.named_parameters()), small_sums("test")
-
-    def score(weights) -> float:
-        with torch.no_grad():
-            for name, tensor in weights.items():
-                params[name].copy_(tensor)
-        return held_out_accuracy(trainer, held_out)
-
     settings = [("tau", float(t)) for t in options.taus.split(",") if t]
     settings += [("top_fraction", float(f)) for f in options.top.split(",") if f]
-    rows = sparsity_sweep(base, tuned, settings, score)
+    with tempfile.TemporaryDirectory() as scratch:  # the scoring trainer's output_dir: removed, whatever happens
+        args = ESConfig(output_dir=scratch, max_completion_length=12, generation_kwargs={"do_sample": False},
+                        report_to="none")  # fmt: skip
+        trainer = ESTrainer(base_dir, first_integer_reward, args=args, train_dataset=small_sums("train"))
+        params, held_out = dict(trainer.model.named_parameters()), small_sums("test")
+
+        def score(weights) -> float:
+            with torch.no_grad():
+                for name, tensor in weights.items():
+                    params[name].copy_(tensor)
+            return held_out_accuracy(trainer, held_out)
+
+        rows = sparsity_sweep(base, tuned, settings, score)
     full = sum(t.numel() * t.element_size() for t in base.values())
     os.makedirs(options.out_dir, exist_ok=True)
     summary = {"base": options.base, "tuned": options.tuned, "full_bytes": full, "rows": rows}

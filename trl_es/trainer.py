@@ -283,6 +283,7 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
 
     def train(self, *args, **kwargs):
         try:
+            self.lock_output_dir()
             output = super().train(*args, **kwargs)
             if self.state.global_step == 0:
                 raise ValueError("no ES step ran: the training dataset gave no prompts (is it empty?)")
@@ -290,6 +291,7 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         finally:
             self.weights.release()  # the copy of θ and the noise table, rebuilt from the seed when needed
             self._distance = None
+            self.unlock_output_dir()
 
     # ---- The ES step ------------------------------------------------------------------------------------------
 

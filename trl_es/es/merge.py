@@ -194,12 +194,25 @@ class MergeSearch:
             raise ValueError(f"state has {size} coefficients, this search has {self.shape[0]}×{self.shape[1]}")
         if not isinstance(history, list) or not all(_is_reward_list(entry) for entry in history):
             raise ValueError("the state's history must be a list of None or lists of finite rewards")
+        changed = [
+            SETTING_FIELDS[key] for key in ("init", "sigma0", "popsize", "seed") if settings[key] != self.settings[key]
+        ]
+        if changed:
+            raise ValueError(
+                f"the Hyper-ES search was checkpointed with other {', '.join(changed)} than this run's "
+                f"({ {k: settings[k] for k in SETTING_FIELDS} } vs { {k: self.settings[k] for k in SETTING_FIELDS} }): "
+                "resume with the checkpoint's settings, or start a new search from its weights with model=<checkpoint>"
+            )
         replayed = MergeSearch(*shape, settings["init"], settings["sigma0"], settings["popsize"], settings["seed"])
         for rewards in history:
             candidates = replayed.ask()
             if rewards is not None:
                 replayed.tell(candidates, rewards)
         self.__dict__.update(replayed.__dict__)
+
+
+SETTING_FIELDS = {"init": "merge_init", "sigma0": "merge_sigma", "popsize": "population_size", "seed": "seed"}
+"""The ESConfig field behind each CMA-ES setting."""
 
 
 def _is_pair_of_ints(value) -> bool:

@@ -23,6 +23,8 @@ from .seeds import noise_table_seed, window_seed
 
 
 CHUNK = 1 << 20
+MAX_TABLE_SIZE = 1 << 31
+"""The largest noise table a run, a seed chain or the vLLM worker may ask for (8 GiB of float32)."""
 """Elements per noise window. Windows of one parameter start at independent offsets."""
 
 

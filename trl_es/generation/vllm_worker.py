@@ -33,7 +33,7 @@ import os
 
 import torch
 
-from ..es.noise import CHUNK
+from ..es.noise import CHUNK, MAX_TABLE_SIZE
 from ..es.weights import LocalWeights, weights_hash
 
 
@@ -62,7 +62,7 @@ def _is_coefficients(value) -> bool:
 
 FIELDS = {
     "seed": _is_int,
-    "noise_table_size": lambda v: _is_int(v) and CHUNK <= v <= 1 << 31,
+    "noise_table_size": lambda v: _is_int(v) and CHUNK <= v <= MAX_TABLE_SIZE,
     "dtype": lambda v: v in ("float32", "bfloat16", "float16"),
     "names": lambda v: v is None or (_is_names(v) and len(v) > 0),
     "path": lambda v: v is None or (isinstance(v, str) and os.path.isdir(v)),

@@ -51,7 +51,7 @@ def _as_reward(value: Any, func_name: str, index: int) -> float:
     if isinstance(value, np.generic) or (isinstance(value, torch.Tensor) and value.numel() == 1):
         value = value.item()
     if isinstance(value, numbers.Real):  # includes bool
-        if math.isinf(value):
+        if not isinstance(value, numbers.Integral) and math.isinf(value):  # math.isinf(10**400) overflows
             raise ValueError(
                 f"The reward function '{func_name}' returned {value} at position {index}; rewards must be finite "
                 "(return None to give a completion no reward)."
