@@ -136,7 +136,7 @@ def trl_es(spec: dict, out_dir: str) -> dict:
     trainer.train()
     log = [record for record in trainer.state.log_history if "reward" in record][-1]
     split = {
-        "generate": log["es/time/generate"] * n,
+        "generate": log["es/time/generate"],
         "perturb + restore": log["es/time/noise"],
         "update": log["es/time/update"],
     }

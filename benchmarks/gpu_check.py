@@ -117,13 +117,13 @@ def peak_bytes() -> int:
 def plain_generate(trainer, options) -> tuple[float, int]:
     """Seconds and peak GPU bytes of one greedy batch of the prompts (what one member generates)."""
     rows = [row["prompt"] for row in prompts(options.prompts)]
-    rollout = trainer.generation
-    ids = rollout.tokenize(rows)
-    rollout.generate(rows, ids, 1, [0] * len(rows))  # warm-up
+    generation = trainer.generation
+    ids = generation.tokenize(rows)
+    generation.generate(rows, ids, 1, [0] * len(rows))  # warm-up
     synchronize()
     reset_peak()
     start = time.perf_counter()
-    rollout.generate(rows, ids, 1, [0] * len(rows))
+    generation.generate(rows, ids, 1, [0] * len(rows))
     synchronize()
     return time.perf_counter() - start, peak_bytes()
 

@@ -108,10 +108,9 @@ def run_es(options):
         seconds = time.perf_counter() - start
     log = next(log for log in trainer.state.log_history if "reward" in log)
     assert log["es/skipped_update"] == 0.0, "the update was skipped: the timing would not include it"
-    n = options.population
     split = {
-        "generate": log["es/time/generate"] * n,
-        "reward": log["es/time/reward"] * n,
+        "generate": log["es/time/generate"],
+        "reward": log["es/time/reward"],
         "noise (copy θ + perturb)": log["es/time/noise"],
         "update": log["es/time/update"],
     }

@@ -116,7 +116,9 @@ def moved(trainer, start: dict) -> bool:
     return any(not torch.equal(p, start[name]) for name, p in trainer.model.named_parameters())
 
 
-@pytest.mark.parametrize("tool", [multiply_tool, async_multiply_tool], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "tool", [multiply_tool, pytest.param(async_multiply_tool, marks=pytest.mark.slow)], ids=["sync", "async"]
+)
 def test_tools_are_called_and_failures_become_error_text(tmp_path, tiny_model_dir, tool):
     """TRL's test_train_with_tools: one correct call, one with a wrong argument (a failure, answered as error text),
     one completion without a call; the post-tool turn runs for the two that called."""
@@ -149,6 +151,7 @@ def test_tools_are_called_and_failures_become_error_text(tmp_path, tiny_model_di
     assert moved(trainer, start)
 
 
+@pytest.mark.slow  # kept out of the fast suite for time; ~4 s
 def test_malformed_tool_calls_are_text(tmp_path, tiny_model_dir):
     """TRL's test_train_with_malformed_tool_calls: no name, a wrong tag, invalid JSON: none is a call, so no
     second turn runs."""
@@ -197,6 +200,7 @@ def counting_script(row, prompt, ids):
     return calls[row % 3]
 
 
+@pytest.mark.slow  # ~10 s
 def test_environment_owned_reward_and_data_without_a_dataset(tmp_path, tiny_model_dir):
     """TRL's test_train_with_environment_factory + test_train_with_environment_owned_reward: no dataset, no reward
     functions; the environment's `get_reward` is the reward (named after the class, weight 1), its public methods
@@ -254,6 +258,7 @@ def test_environment_owned_reward_beside_reward_functions_and_mixed_environments
     assert trainer.reward_funcs[-1](environments=[scored, plain]) == [0.0, None]
 
 
+@pytest.mark.slow  # kept out of the fast suite for time; ~8 s
 def test_several_environments_each_with_its_tools_and_an_unknown_one(tmp_path, tiny_model_dir):
     """TRL's test_train_with_multiple_environments and test_train_with_unknown_environment_raises."""
     seen = {"counter": [], "echo": []}
@@ -393,6 +398,7 @@ def budget_script(row, prompt, ids):
     return CALL.format(name="multiply_tool", arguments='{"a": 2, "b": 3}')
 
 
+@pytest.mark.slow  # ~7 s
 def test_a_tool_turn_that_would_overflow_the_budget_is_rolled_back_and_iterations_are_capped(tmp_path, tiny_model_dir):
     tokenizer = tool_tokenizer(tiny_model_dir)
     call_length = len(tokenizer(CALL.format(name="multiply_tool", arguments='{"a": 2, "b": 3}'))["input_ids"])
@@ -547,6 +553,7 @@ def test_an_unreproducible_environment_warns_once_and_a_failing_reset_restores_t
     assert not moved(trainer, start)
 
 
+@pytest.mark.slow  # ~13 s
 def test_batched_lowrank_episodes_do_not_depend_on_which_members_share_a_call(tmp_path, tiny_model_dir):
     """Low-rank members batched in one call play their episodes together: later turns carry only the rows still
     calling tools, each routed to its member. The weights equal those of one member per call."""

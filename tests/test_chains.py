@@ -71,7 +71,9 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize(
+    "setting", [s if s in ("full", "lowrank") else pytest.param(s, marks=pytest.mark.slow) for s in SETTINGS]
+)  # the other settings in the full suite
 def test_replay_rebuilds_the_trained_weights_bitwise(tmp_path, tiny_model_dir, setting):
     trainer = train(tmp_path, tiny_model_dir, **SETTINGS[setting])
     chain = load_chain(str(tmp_path / "saved"))
@@ -96,6 +98,7 @@ def test_replay_of_adapters_trained_alone_and_new(tmp_path, tiny_model_dir):
     assert same_weights(load(tmp_path / "new-rebuilt", new.model), new.model)
 
 
+@pytest.mark.slow  # kept out of the fast suite for time; ~5 s
 def test_steps_k_is_checkpoint_k_and_a_resumed_run_continues_its_chain(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
@@ -291,6 +294,7 @@ def test_a_local_folder_is_never_a_hub_id_and_steps_out_of_range_write_nothing(t
     assert "already exists" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # kept out of the fast suite for time; ~6 s
 def test_a_resume_with_other_settings_or_another_runs_chain_is_refused(tmp_path, tiny_model_dir):
     """Resuming with another seed, parameter patterns, noise table or search space would continue the chain under
     the old header; a chain copied in from another run would no longer rebuild the model. Both are refused."""

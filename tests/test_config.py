@@ -1,5 +1,7 @@
 """ESConfig: bad values are refused at construction naming the field; gradient-only fields are refused or warned."""
 
+import warnings
+
 import pytest
 
 from trl_es import ESConfig
@@ -37,10 +39,12 @@ def test_antithetic_needs_an_even_population(tmp_path):
 
 def test_gradient_only_fields_warn_and_are_ignored(tmp_path):
     with pytest.warns(UserWarning, match="max_grad_norm is ignored"):
-        args = ESConfig(str(tmp_path), max_grad_norm=1.0)
+        args = ESConfig(str(tmp_path), max_grad_norm=0.5)
     assert args.max_grad_norm == 0.0
-    with pytest.warns(UserWarning, match="gradient_checkpointing is ignored"):
-        ESConfig(str(tmp_path), gradient_checkpointing=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # TrainingArguments' and GRPOConfig's defaults: reset without a word
+        args = ESConfig(str(tmp_path), max_grad_norm=1.0, gradient_checkpointing=True, optim="adamw_torch_fused")
+    assert args.max_grad_norm == 0.0 and args.gradient_checkpointing is False
     with pytest.warns(UserWarning, match="optim='sgd' is ignored"):
         ESConfig(str(tmp_path), optim="sgd")
 

@@ -1,8 +1,8 @@
 """`trl-es eval` and `trl_es.evaluation`: scores by hand, the files and plots it writes, resume, bad input."""
 
 import json
-import shutil
 import os
+import shutil
 
 import pytest
 import torch
@@ -74,6 +74,7 @@ def test_evaluate_writes_results_tables_plots_and_resumes(tiny_model_dir, tmp_pa
         evaluate([tiny_model_dir], "small_sums", **{**settings, "n": 2, "k": [1]})
 
 
+@pytest.mark.slow  # kept out of the fast suite for time; ~5 s
 def test_records_follow_the_weights_and_the_k_values_and_refuse_lines_that_are_not_batches(tiny_model_dir, tmp_path):
     """Records are keyed by the model's weights, not its path: retraining into the same path evaluates again (it
     reported the old model's scores). Another --k is computed from the kept verdicts (KeyError 'pass@2' before). A

@@ -85,6 +85,7 @@ def grpo_lora_checkpoint(tmp_path_factory, tiny_model_dir):
     return out / "checkpoint-1"
 
 
+@pytest.mark.slow  # kept out of the fast suite for time; ~5 s
 def test_es_starts_from_a_grpo_lora_checkpoint_merged_or_adapter_only(tmp_path, grpo_lora_checkpoint, prompt_dataset):
     from helpers import es_config
     from peft import PeftModel

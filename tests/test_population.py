@@ -36,12 +36,17 @@ def test_summary_row_and_metrics_by_hand():
         0.0, torch.tensor([[0.0, 0.0], [nan, nan]]), [6, 1], [False, False], 1.0, torch.tensor([0, 0.5]), 1, 0
     )
     layout = SummaryLayout(1, 2)
-    assert row0.numel() == layout.width == 17
-    assert row0.tolist() == [2.0, 4.0, 2.0, 10.0, 4.0, 2.0, 10.0, 6.0, 2.0, 4.0, 2.0, 1.0, 3.0, 3.0, 1.0, 1.0, 0.0]
+    assert row0.numel() == layout.width == 23
+    # reward; (sum, count, squares) of the combined reward and of f; lengths (sum, min, max, count, truncated,
+    # entropy, then sum, min, max of the terminated one, prompt tokens: none given); tools; each prompt's mean reward;
+    # each prompt's success
+    assert row0.tolist() == [2.0, 4.0, 2.0, 10.0, 4.0, 2.0, 10.0, 6.0, 2.0, 4.0, 2.0, 1.0, 3.0, 4.0, 4.0, 4.0, 0.0,
+                             3.0, 1.0, 1.0, 3.0, 1.0, 0.0]  # fmt: skip
     assert row0[layout.tools].tolist() == [3.0, 1.0] and row0[layout.success].tolist() == [1.0, 0.0]
-    tools = population_metrics(torch.stack([row0, row1]), ["f"], tools=True)
+    assert row0[layout.prompt_rewards].tolist() == [1.0, 3.0]
+    tools = population_metrics(torch.stack([row0, row1]), ["f"], 2, tools=True)
     assert tools["tools/call_frequency"] == 1.0 and tools["tools/failure_frequency"] == 0.25  # 4 calls, 4 completions
-    metrics = population_metrics(torch.stack([row0, row1]), ["f"], entropy=True)
+    metrics = population_metrics(torch.stack([row0, row1]), ["f"], 2, entropy=True)
     # rewards 1, 3, 0 (the NaN excluded): mean 4/3, unbiased std sqrt(((1-4/3)^2 + (3-4/3)^2 + (4/3)^2) / 2)
     assert metrics["reward"] == pytest.approx(4 / 3)
     assert metrics["reward_std"] == pytest.approx(math.sqrt((1 / 9 + 25 / 9 + 16 / 9) / 2))
@@ -49,8 +54,11 @@ def test_summary_row_and_metrics_by_hand():
     assert metrics["completions/mean_length"] == pytest.approx(13 / 4)
     assert (metrics["completions/min_length"], metrics["completions/max_length"]) == (1.0, 6.0)
     assert metrics["completions/clipped_ratio"] == 0.25
+    # terminated: 4 (member 0), 6 and 1 (member 1)
+    assert metrics["completions/mean_terminated_length"] == pytest.approx(11 / 3)
+    assert (metrics["completions/min_terminated_length"], metrics["completions/max_terminated_length"]) == (1.0, 6.0)
     assert metrics["completions/mean_token_entropy"] == pytest.approx(4.0 / 13)
-    assert "completions/mean_token_entropy" not in population_metrics(torch.stack([row0, row1]), ["f"])
+    assert "completions/mean_token_entropy" not in population_metrics(torch.stack([row0, row1]), ["f"], 2)
     # disjoint successes: the two members' distributions over prompts are (1, 0) and (0, 1): diversity log 2
     assert population_diversity(torch.stack([row0, row1]), 2) == pytest.approx(math.log(2))
     assert population_diversity(torch.stack([row0, row0]), 2) == pytest.approx(0.0)

@@ -1,5 +1,6 @@
-"""The final weights of every search space × {transformers, vLLM colocate} × {1, 2 processes} and of a resumed run:
-one hash per scenario, which every backend and process count must give (tests/regression_guard.py runs them).
+"""The final weights of every search space × {transformers 1 and 2 processes, vLLM colocate 2 processes} and of a
+resumed run: one hash per scenario, which every backend and process count must give (tests/regression_guard.py runs
+them; vLLM in one process: tests/test_vllm.py).
 
 Two checks. In any environment, the scenarios are compared with each other: 2 processes with 1, vLLM with
 transformers, a resumed run with an uninterrupted one, a sampled population in calls of 2 members with one in a
@@ -77,6 +78,7 @@ def launched_hashes(out: Path, models: Path, scenarios, num_processes: int, vllm
     return ranks[0]
 
 
+@pytest.mark.slow  # ~30 s; .ci/matrix runs it in both cells
 def test_transformers_one_process(one_process):
     if RECORD:
         GOLDEN.write_text(
@@ -93,7 +95,8 @@ def test_transformers_two_processes(models, tmp_path, one_process):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.parametrize("num_processes", [1, 2])
-def test_vllm_colocate(models, tmp_path, num_processes, one_process):
+def test_vllm_colocate_two_processes(models, tmp_path, one_process):
+    """Two processes, each with its colocated vLLM engine, end on the 1-process transformers weights, bitwise, on
+    every rank (one process with vLLM: tests/test_vllm.py)."""
     pytest.importorskip("vllm")
-    check(launched_hashes(tmp_path, models, regression_guard.VLLM_SCENARIOS, num_processes, vllm=True), one_process)
+    check(launched_hashes(tmp_path, models, regression_guard.VLLM_SCENARIOS, 2, vllm=True), one_process)

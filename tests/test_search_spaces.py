@@ -54,6 +54,7 @@ def test_group_perturbation_and_restore_touch_only_the_group():
     assert all(torch.equal(params[n], before[n]) for n in params)
 
 
+@pytest.mark.slow  # kept out of the fast suite for time; ~4 s
 def test_copes_with_one_group_is_full_es_bitwise(tmp_path, tiny_model_dir, prompt_dataset):
     runs = {}
     for space in ("full", "copes"):
@@ -64,6 +65,7 @@ def test_copes_with_one_group_is_full_es_bitwise(tmp_path, tiny_model_dir, promp
     assert all(torch.equal(runs["full"][n], runs["copes"][n]) for n in runs["full"])
 
 
+@pytest.mark.slow  # kept out of the fast suite for time; ~5 s
 def test_copes_learns(tmp_path, tiny_model_dir, prompt_dataset):
     args = config(
         tmp_path,
@@ -157,6 +159,7 @@ def test_lowrank_batched_population_learns_and_moves_only_linear_weights_by_low_
         config(tmp_path, es_search_space="lowrank", lowrank_rank=0)
 
 
+@pytest.mark.slow  # kept out of the fast suite for time; ~5 s; the regression guard checks it too
 def test_sampled_lowrank_completions_do_not_depend_on_which_members_share_a_call(
     tmp_path, tiny_model_dir, prompt_dataset
 ):
@@ -259,7 +262,9 @@ def test_hyper_es_bad_input(tmp_path, tiny_model_dir, prompt_dataset):
         )
 
 
-@pytest.mark.parametrize("recipe", ["patterns", "lora", "copes", "lowrank", "merge"])
+@pytest.mark.parametrize(
+    "recipe", [pytest.param("patterns", marks=pytest.mark.slow), "lora", "copes", "lowrank", "merge"]
+)
 def test_search_space_recipes_run(recipe, tmp_path, tiny_model_dir, merge_parts):
     """Each recipe in examples/search_spaces/ runs through `trl-es es` (on the tiny model, one step)."""
     from pathlib import Path

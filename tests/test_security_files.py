@@ -52,7 +52,9 @@ def checkpoint(tmp_path, tiny_model_dir, prompt_dataset):
     return tmp_path / "run" / "out" / "checkpoint-1"
 
 
-@pytest.mark.parametrize("name", ["rng_state.pth", "optimizer.pt", "scheduler.pt"])
+@pytest.mark.parametrize(
+    "name", ["rng_state.pth", *(pytest.param(n, marks=pytest.mark.slow) for n in ("optimizer.pt", "scheduler.pt"))]
+)
 def test_trainer_checkpoint_files_do_not_execute(tmp_path, tiny_model_dir, prompt_dataset, checkpoint, name):
     marker = tmp_path / "marker"
     payload_file(checkpoint / name, marker)

@@ -134,6 +134,7 @@ def test_failing_generation_restores_half_precision_weights(tmp_path, tiny_model
     assert_same_weights(trainer.model, before)
 
 
+@pytest.mark.slow  # kept out of the fast suite for time; ~2.5 s
 def test_half_precision_training_moves_weights(tmp_path, tiny_model_dir, prompt_dataset):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
     before = weights(model)

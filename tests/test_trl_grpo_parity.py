@@ -233,6 +233,7 @@ def test_evaluate_with_eval_dataset(models, tmp_path, kind):
         assert metrics["eval_reward"] is not None
 
 
+@pytest.mark.slow  # kept out of the fast suite for time; ~2.5 s
 def test_train_different_reward_model(models, tmp_path):
     reward_model = AutoModelForSequenceClassification.from_pretrained(models["llama_rm"], num_labels=1)
     tokenizer = AutoTokenizer.from_pretrained(models["llama_rm"])
@@ -352,6 +353,7 @@ def test_no_reward_source_raises(models, tmp_path):
         ESTrainer(models["qwen2"], reward_funcs=None, args=std(tmp_path), train_dataset=zen())
 
 
+@pytest.mark.slow  # kept out of the fast suite for time; ~2.5 s
 def test_reward_processing_classes(models, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(models["qwen2_rm"])
     rms = [models["qwen2_rm"], models["llama_rm"]]

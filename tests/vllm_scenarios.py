@@ -150,7 +150,7 @@ def colocate(out: Path) -> dict:
         warnings.simplefilter("always")
         copied, results["copied_rewards"], _ = run(out, model_dir, "vllm-copied", use_vllm=True)
     results["copied_warned"] = any("cannot be written in place" in str(w.message) for w in caught)
-    results["copied_in_place"] = copied.rollout.members_in_place
+    results["copied_in_place"] = copied.generation.members_in_place
     results["copied_same_final_weights"] = fingerprint(hf.model) == fingerprint(copied.model)
 
     # a reward function that fails in the middle of step 1: the error surfaces, θ is intact here and in vLLM

@@ -79,6 +79,20 @@ def clear_crashed_staging(target: str) -> None:
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def staging_directory(prefix: str, parent: str) -> str:
+    """A new private-named directory in `parent`, with the permissions `os.makedirs` would give it (the umask's,
+    as `save_pretrained`'s folders have: `tempfile` would make it 0700)."""
+    staging = tempfile.mkdtemp(prefix=prefix, suffix=".partial", dir=parent)
+    os.chmod(staging, 0o777 & ~_umask())
+    return staging
+
+
 @contextlib.contextmanager
 def atomic_directory(target: str):
     """Yield a staging directory to fill; on success its files appear in `target` (created if missing; existing
@@ -89,7 +103,7 @@ def atomic_directory(target: str):
     clear_crashed_staging(target)
     prefix = f".{os.path.basename(os.path.abspath(target))}.{os.getpid()}."
     with interrupts_held():  # no Ctrl-C between making the staging and owning its clean-up
-        staging = tempfile.mkdtemp(prefix=prefix, suffix=".partial", dir=parent)
+        staging = staging_directory(prefix, parent)
     try:
         yield staging
         if not os.path.isdir(target):
@@ -106,10 +120,12 @@ def atomic_directory(target: str):
 
 
 def atomic_write_text(path: str, text: str) -> None:
-    """Write `text` to `path` through a durable temporary file and one rename."""
+    """Write `text` to `path` through a durable temporary file and one rename (permissions: the umask's, as `open`
+    gives a new file)."""
     directory = os.path.dirname(os.path.abspath(path))
     descriptor, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".partial", dir=directory)
     try:
+        os.chmod(temporary, 0o666 & ~_umask())
         with os.fdopen(descriptor, "w", encoding="utf-8") as file:
             file.write(text)
             file.flush()

@@ -22,17 +22,18 @@ import hashlib
 import json
 import math
 import os
-import re
 import warnings
 from typing import TypedDict
 
 import torch
+from trl.trainer.utils import get_config_model_id
 
 from .atomic import atomic_write_text
 from .compat import import_extra
 from .es.noise import CHUNK, MAX_TABLE_SIZE
 from .es.space import SEARCH_SPACES, optimizer_header, rebuild_optimizer, step_optimizer
 from .es.weights import LocalWeights, weights_hash
+from .models import HUB_ID
 
 
 FORMAT = "trl-es-chain/1"
@@ -42,7 +43,8 @@ FILE = "es_chain.json"
 class Base(TypedDict):
     """The weights training started from: where they came from, and their SHA-256 (`weights_hash`)."""
 
-    model: str  # the model id or path training was given
+    model: str  # a Hub id where the model came from one ('smollm2' for the built-in SmolLM2), else its path
+    path: str | None  # where it was on the training machine: a hint for replaying there
     revision: str | None
     sha256: str
     es_adapter_only: bool  # trained the adapter of a PeftModel only
@@ -124,8 +126,12 @@ def new_chain(args, model, params, space, optimizer, model_source: str, new_adap
     """The seed chain of a run starting from `model`'s weights now (its first step): `params` are the ES
     parameters, `space` the search space, `optimizer` Trainer's (recorded with `es_optimizer` only)."""
     peft_config = getattr(model, "peft_config", {}).get("default") if new_adapter else None
+    path = os.path.abspath(model_source) if os.path.isdir(model_source) else None
+    named = get_config_model_id(model.config)
+    hub_id = named if HUB_ID.fullmatch(named) and "/" in named and not os.path.exists(named) else None
     base = Base(
-        model=model_source,
+        model=hub_id if path and hub_id else model_source,
+        path=path,
         revision=(args.model_init_kwargs or {}).get("revision"),
         sha256=weights_hash(dict(model.named_parameters())),
         es_adapter_only=args.es_adapter_only,
@@ -222,10 +228,6 @@ class Chain:
         return model
 
 
-HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-"""What a Hub repository id looks like (owner/name); a path that exists is never one."""
-
-
 def load_chain(source: str) -> Chain:
     """The chain in `source`: a file, a folder holding es_chain.json, or a Hub repository id holding one. A local path
     that exists is never taken for a Hub id. Checked before use: the checksum over its content, the format version,
@@ -238,7 +240,7 @@ def load_chain(source: str) -> Chain:
             )
     elif os.path.isfile(source):
         path = source
-    elif HUB_ID.fullmatch(source) and not source.startswith("."):
+    elif HUB_ID.fullmatch(source) and "/" in source:
         from huggingface_hub import hf_hub_download
 
         path = hf_hub_download(source, FILE)
@@ -286,6 +288,7 @@ def _check_content(data: dict, path: str) -> None:
     require(isinstance(base, dict) and isinstance(base.get("model"), str), "header.base.model must be a string")
     require(isinstance(base.get("sha256"), str) and len(base["sha256"]) == 64, "header.base.sha256 must be a SHA-256")
     require(base.get("peft_config") is None or isinstance(base["peft_config"], dict), "bad header.base.peft_config")
+    require(base.get("path") is None or isinstance(base["path"], str), "header.base.path must be a string")
     require(header.get("dtype") in DTYPES, f"header.dtype must be one of {DTYPES}")
     names = header.get("parameters")
     require(isinstance(names, list) and names and all(isinstance(n, str) for n in names), "bad header.parameters")
@@ -328,9 +331,9 @@ def load_base(path: str, header: dict) -> torch.nn.Module:
     """The chain's starting model from `path`, loaded as training loaded it: in the chain's dtype, as a trainable
     adapter for an adapter-only run, with the new adapter (seeded as in training) for a `peft_config` run."""
     from .loading import add_adapter, load_starting_model
-    from .models import smollm2_dir
+    from .models import resolve_model
 
-    path = smollm2_dir() if path == "smollm2" else path
+    path = resolve_model(path)
     base = header["base"]
     kwargs = {"dtype": getattr(torch, header["dtype"]), "revision": base.get("revision")}
     model = load_starting_model(path, base["es_adapter_only"], **{k: v for k, v in kwargs.items() if v is not None})
@@ -362,9 +365,9 @@ def replay(chain: Chain, base: str, out: str, steps: int | None = None, force: b
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
+    from .cli import command_parser
 
-    parser = argparse.ArgumentParser(prog="trl-es replay", description="Rebuild a trained model from its seed chain.")
+    parser = command_parser("trl-es replay", "Rebuild a trained model from its seed chain.")
     parser.add_argument("--chain", required=True, help="es_chain.json, a folder holding it, or a Hub repository id")
     parser.add_argument("--base", help="the model training started from (default: the one the chain names)")
     parser.add_argument("--out", required=True, help="a new directory for the rebuilt model")
@@ -372,6 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--force", action="store_true", help="replay even if the base weights' SHA-256 differs")
     options = parser.parse_args(argv)
     chain = load_chain(options.chain)
-    base = options.base or chain.header["base"]["model"]
+    base = chain.header["base"]
+    base = options.base or (base["path"] if base.get("path") and os.path.isdir(base["path"]) else base["model"])
     replay(chain, base, options.out, options.steps, options.force)
     print(f"Model after {chain.span()[1] if options.steps is None else options.steps} steps saved to {options.out}.")

@@ -27,8 +27,30 @@ trl-es vllm-serve --model M [--host 127.0.0.1] [--port 8000] [vllm serve flags .
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Each option's help with its default; the description as written."""
+
+
+def command_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """The argument parser of a `trl-es` subcommand (options spelled with dashes; `dashed` maps underscores)."""
+    return argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
+
+
+def dashed(argv: list[str]) -> list[str]:
+    """`argv` with every option name spelled with dashes: each subcommand takes `--max_steps` and `--max-steps`
+    alike, as `trl-es es` (TRL's parser) does."""
+    spelled = []
+    for token in argv:
+        if token.startswith("--") and len(token) > 2:
+            name, equals, value = token.partition("=")
+            token = name.replace("_", "-") + equals + value
+        spelled.append(token)
+    return spelled
 
 
 def load_weights(path: str):
@@ -46,16 +68,14 @@ def load_weights(path: str):
 
 
 def sparsify(argv: list[str]) -> None:
-    import argparse
-
     from .sparse import save_delta, threshold_masks, update_statistics
 
-    parser = argparse.ArgumentParser(prog="trl-es sparsify", description="Update statistics and a sparse delta.")
+    parser = command_parser("trl-es sparsify", "Update statistics and a sparse delta.")
     parser.add_argument("--base", required=True, help="the model training started from")
     parser.add_argument("--tuned", required=True, help="the trained model (same architecture)")
     keep = parser.add_mutually_exclusive_group(required=True)
     keep.add_argument("--tau", type=float, help="keep the entries with |Δ| > tau")
-    keep.add_argument("--top_fraction", type=float, help="keep this fraction of entries, largest |Δ| first")
+    keep.add_argument("--top-fraction", type=float, help="keep this fraction of entries, largest |Δ| first")
     parser.add_argument("--taus", default="1e-3,1.5e-3,2e-3", help="τ values for the s_τ statistics")
     parser.add_argument("--out", required=True, help="the delta file to write (.safetensors)")
     options = parser.parse_args(argv)
@@ -78,35 +98,27 @@ def sparsify(argv: list[str]) -> None:
 
 
 def apply_delta_command(argv: list[str]) -> None:
-    import argparse
-    import shutil
-    import tempfile
-
     import torch
 
+    from .atomic import atomic_directory
     from .sparse import apply_delta
 
-    parser = argparse.ArgumentParser(prog="trl-es apply-delta", description="Rebuild the thresholded model.")
-    parser.add_argument("--base", required=True)
-    parser.add_argument("--delta", required=True)
+    parser = command_parser("trl-es apply-delta", "Rebuild the thresholded model.")
+    parser.add_argument("--base", required=True, help="the model the delta was taken from")
+    parser.add_argument("--delta", required=True, help="the delta file (trl-es sparsify --out)")
     parser.add_argument("--out", required=True, help="a new directory (an existing one is never overwritten)")
     parser.add_argument("--force", action="store_true", help="apply even if the base weights' hash differs")
     options = parser.parse_args(argv)
-    if os.path.exists(options.out):
+    if os.path.lexists(options.out):  # a dangling symlink too
         parser.error(f"--out {options.out} already exists; choose a new directory")
     model, tokenizer, base = load_weights(options.base)
     with torch.no_grad():
         for name, tensor in apply_delta(base, options.delta, force=options.force).items():
             base[name].copy_(tensor)
-    staging = tempfile.mkdtemp(prefix=".apply-delta-", dir=os.path.dirname(os.path.abspath(options.out)))
-    try:
+    with atomic_directory(options.out) as staging:
         model.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        os.replace(staging, options.out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     print(f"Model saved to {options.out}.")
 
 
@@ -125,7 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
+    if argv[0] == "--version":
+        from . import __version__
+
+        print(f"trl-es {__version__}")
+        return 0
     command, rest = argv[0], argv[1:]
+    if command not in ("es", "vllm-serve"):  # those two parse as TRL's and vLLM's commands do
+        rest = dashed(rest)
     if command == "demo":
         from .demo import main as demo
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 import difflib
 import functools
 import math
+import sys
 import textwrap
 import warnings
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from transformers import TrainingArguments
+from trl.trainer.grpo_config import GRPOConfig
 
 from .es import SEARCH_SPACES
 from .es.fitness import SHAPINGS
@@ -52,7 +54,7 @@ PARAMETER_GROUPS = {
     "Parameters that control agent episodes (tools, environments)": ("max_tool_calling_iterations", "tool_call_timeout"),
     "Parameters that control saving": ("sparse_delta_tau",),
     "TrainingArguments fields whose default differs for ES": (
-        "lr_scheduler_type", "logging_steps", "max_grad_norm", "remove_unused_columns",
+        "lr_scheduler_type", "logging_steps", "max_grad_norm", "remove_unused_columns", "dataloader_pin_memory",
     ),
 }  # fmt: skip
 """ESConfig's own fields, grouped for its documentation as GRPOConfig groups its own."""
@@ -76,7 +78,7 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
     (`gradient_accumulation_steps` > 1) or ignored with a warning (`max_grad_norm`, `optim`, `gradient_checkpointing`).
 
     Defaults that differ from TrainingArguments: `learning_rate=5e-4`, `lr_scheduler_type="constant"`,
-    `logging_steps=1`, `max_grad_norm=0`, `remove_unused_columns=False`.
+    `logging_steps=1`, `max_grad_norm=0`, `remove_unused_columns=False`, `dataloader_pin_memory=False`.
 
     Every field is checked at construction: a bad value raises a ValueError naming the field and the reason.
     """
@@ -418,6 +420,9 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         default=False,
         metadata={"help": "Keep extra dataset columns: reward functions receive them as keyword arguments."},
     )
+    dataloader_pin_memory: bool = field(
+        default=False, metadata={"help": "Off: ES's batches are rows of text, with no tensors to pin."}
+    )
 
     def __post_init__(self):
         self._check_es_step()
@@ -428,8 +433,17 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         self._check_gradient_fields()
         ignored = check_grpo_only_fields(self, [f.name for f in fields(GRPOOnlyFields)])
         if ignored:
-            warnings.warn(f"ignored by ES: {', '.join(ignored)} (GRPO loss and batching settings)", stacklevel=3)
+            warn_caller(f"ignored by ES: {', '.join(ignored)} (GRPO loss and batching settings)")
         super().__post_init__()
+
+    @classmethod
+    def from_grpo_config(cls, config: GRPOConfig, **changes) -> ESConfig:
+        """An ESConfig with every field of the GRPOConfig `config` (GRPO's names keep their meaning; the fields ES
+        has no use for are ignored as documented), then `changes` (the ES fields: population_size, sigma, …)."""
+        values = {
+            f.name: getattr(config, f.name) for f in fields(config) if f.init and f.name in cls.__dataclass_fields__
+        }
+        return cls(**{**values, **changes})
 
     def _refuse(self, name: str, why: str):
         raise ValueError(f"ESConfig.{name}={getattr(self, name)!r} is invalid: {why}")
@@ -459,12 +473,11 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             refuse("multi_objective_aggregation", f"choose one of {AGGREGATIONS}")
         plain_update = self.es_search_space != "merge" and not self.es_optimizer
         if plain_update and 0 < self.learning_rate < 0.01 * self.sigma:
-            warnings.warn(
+            warn_caller(
                 f"ESConfig.learning_rate={self.learning_rate} looks like a gradient learning rate: in ES it is the step "
                 f"size α of θ ← θ + α·(1/N)·Σ z_i ε_i, {self.sigma / self.learning_rate:.0f}× smaller than "
                 f"sigma={self.sigma}, so the weights barely move. ES usually takes α between 0.1·σ and 2·σ (here "
-                f"{0.1 * self.sigma:.2g} to {2 * self.sigma:.2g}); a GRPO recipe's learning_rate (1e-6) learns nothing.",
-                stacklevel=4,
+                f"{0.1 * self.sigma:.2g} to {2 * self.sigma:.2g}); a GRPO recipe's learning_rate (1e-6) learns nothing."
             )
         if self.sparse_delta_tau is not None and not self.sparse_delta_tau >= 0:
             refuse("sparse_delta_tau", "the magnitude threshold must be ≥ 0")
@@ -531,18 +544,27 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
                 "gradient_accumulation_steps",
                 "ES has no gradients to accumulate; use per_device_train_batch_size for more prompts per step",
             )
-        if self.max_grad_norm:
-            warnings.warn("ESConfig.max_grad_norm is ignored: ES computes no gradients to clip.", stacklevel=3)
-            self.max_grad_norm = 0.0
-        if self.gradient_checkpointing:
-            warnings.warn("ESConfig.gradient_checkpointing is ignored: ES runs no backward pass.", stacklevel=3)
-            self.gradient_checkpointing = False
-        if not self.es_optimizer and str(self.optim) not in ("adamw_torch", "adamw_torch_fused"):
-            warnings.warn(
+        # A ported GRPOConfig brings TrainingArguments' and GRPOConfig's defaults (max_grad_norm=1, gradient
+        # checkpointing on): they are reset without a word; only another value warns.
+        if self.max_grad_norm not in (0.0, 1.0):
+            warn_caller("ESConfig.max_grad_norm is ignored: ES computes no gradients to clip.")
+        self.max_grad_norm = 0.0
+        self.gradient_checkpointing = False  # ES runs no backward pass
+        optim = getattr(self.optim, "value", self.optim)  # an OptimizerNames member or its string
+        if not self.es_optimizer and optim not in ("adamw_torch", "adamw_torch_fused"):
+            warn_caller(
                 f"ESConfig.optim={self.optim!r} is ignored without es_optimizer=True: the plain ES update keeps no "
-                "optimizer state.",
-                stacklevel=3,
+                "optimizer state."
             )
+
+
+def warn_caller(message: str) -> None:
+    """A UserWarning attributed to the line that made the ESConfig (the checks run a few frames below it, in this
+    file and in the dataclass's generated `__init__`)."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename in (__file__, "<string>"):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level)
 
 
 def _parameters_section(config_class) -> str:

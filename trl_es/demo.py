@@ -11,10 +11,11 @@ scored.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 from transformers import PrinterCallback, TrainerCallback
+
+from .cli import command_parser
 
 
 def held_out_accuracy(trainer, dataset) -> float:
@@ -35,20 +36,20 @@ class PrintReward(TrainerCallback):
             print(
                 f"step {state.global_step:3d}  mean member reward {logs['reward']:.3f}  "
                 f"(min {logs['es/population_reward_min']:.3f}, max {logs['es/population_reward_max']:.3f})  "
-                f"generate {logs['es/time/generate'] * args.population_size:.1f}s  "
+                f"generate {logs['es/time/generate']:.1f}s  "
                 f"noise+update {logs['es/time/noise'] + logs['es/time/update']:.2f}s",
                 flush=True,
             )
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--population", type=int, default=8)
-    parser.add_argument("--sigma", type=float, default=5e-3)
-    parser.add_argument("--learning-rate", type=float, default=5e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output-dir", default="outputs/demo")
+    parser = command_parser("trl-es demo", __doc__)
+    parser.add_argument("--steps", type=int, default=12, help="ES steps")
+    parser.add_argument("--population", type=int, default=8, help="members per step (N)")
+    parser.add_argument("--sigma", type=float, default=5e-3, help="noise scale σ")
+    parser.add_argument("--learning-rate", type=float, default=5e-3, help="ES step size α")
+    parser.add_argument("--seed", type=int, default=0, help="the run's seed (noise, sampling)")
+    parser.add_argument("--output-dir", default="outputs/demo", help="where the trained model goes")
     options = parser.parse_args(argv)
 
     from . import ESConfig, ESTrainer

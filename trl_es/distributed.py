@@ -70,7 +70,7 @@ class Processes:
             summaries, failed = all_reduce_summaries(summaries, error is not None, accelerator.device, self.timeout_s)
         except RuntimeError as exc:  # torch.distributed timeouts and lost peers are RuntimeErrors
             raise RuntimeError(
-                f"ES step {step}: process {accelerator.process_index} of {accelerator.num_processes} gave up waiting "
+                f"ES step {step + 1}: process {accelerator.process_index} of {accelerator.num_processes} gave up waiting "
                 f"for the other processes' rewards (ddp_timeout={self.timeout_s} s): another process hung, died or "
                 "was killed. This process's weights are restored to the start of the step; resume from the last "
                 "checkpoint."
@@ -79,7 +79,7 @@ class Processes:
             raise error
         if failed:
             raise RuntimeError(
-                f"ES step {step}: process(es) {failed} failed while evaluating their members (their traceback says "
+                f"ES step {step + 1}: process(es) {failed} failed while evaluating their members (their traceback says "
                 "why); the weights are restored on every process."
             )
         return summaries

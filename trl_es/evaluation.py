@@ -14,7 +14,6 @@ Writes `results.json`, prints the paper's tables (rows = models, columns = task 
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import math
@@ -26,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from .atomic import atomic_write_text
+from .cli import command_parser
 from .compat import import_extra
 from .es.seeds import completion_seeds, eval_seed
 from .es.weights import weights_hash
@@ -136,9 +136,9 @@ def _model_name(path: str, taken: set[str]) -> str:
 
 def _load(path: str):
     from .loading import eos_token_ids, load_starting_model, load_tokenizer
-    from .models import smollm2_dir
+    from .models import resolve_model
 
-    path = smollm2_dir() if path == "smollm2" else path
+    path = resolve_model(path)
     model = load_starting_model(path)
     tokenizer = load_tokenizer(path, model)
     if tokenizer.pad_token is None:
@@ -159,9 +159,7 @@ def evaluate_model(
 ) -> dict:
     """Sample n completions per problem of `dataset` from the model at `model_path`, appending one JSON line per
     batch to `records_path` (resuming from the batches already there), and return the model's scores."""
-    from transformers import GenerationConfig
-
-    from .generation import TransformersGeneration
+    from .generation import TransformersGeneration, decoding_config
 
     model, tokenizer, eos_ids = _load(model_path)
     settings = {**settings, "weights_sha256": weights_hash(dict(model.named_parameters()))}  # the records' model
@@ -170,16 +168,8 @@ def evaluate_model(
     done = _read_records(records_path, settings, sizes, n, progress)
     for record in done.values():  # Pass@K / Maj@K for this run's K, from the kept verdicts and answers
         record.update(score_problems(range(record["problems"]), record["correct"], record["answers"], n, k_values))
-    config = GenerationConfig(
-        max_new_tokens=settings["max_completion_length"],
-        do_sample=True,
-        temperature=settings["temperature"],
-        top_p=settings["top_p"],
-        top_k=0,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=eos_ids,
-        disable_compile=True,
-    )
+    decoding = {name: settings[name] for name in ("do_sample", "temperature", "top_p", "top_k")}
+    config = decoding_config(tokenizer, eos_ids, settings["max_completion_length"], **decoding)
     generation = TransformersGeneration(model, tokenizer, config, eos_ids)
     start = time.perf_counter()
     with open(records_path, "a") as out:
@@ -303,6 +293,12 @@ def summarize_records(records: list[dict], k_values: list[int], maj: bool, reduc
     return summary
 
 
+def decoding_description(settings: dict) -> str:
+    if not settings["do_sample"]:
+        return "greedy"
+    return f"sampled, temperature {settings['temperature']}, top-p {settings['top_p']}, top-k {settings['top_k'] or 'off'}"
+
+
 def evaluate(
     models: list[str],
     task: str,
@@ -318,12 +314,23 @@ def evaluate(
     batch_size: int = 8,
     seed: int = 0,
     progress: Callable[[str], None] = _report,
+    greedy: bool = False,
+    top_k: int = 0,
 ) -> dict:
     """Evaluate every model on `task` (see the module docstring); returns and writes `results.json`:
     {"task", "settings", "models": {name: {"path", "pass@K"..., "maj@K"..., "mean_token_entropy", "wall_s"}}}.
-    Bad input (unknown task, K outside 1..n, missing columns) fails before any model is loaded."""
+    Decoding samples (`temperature` > 0, `top_p`, `top_k`; 0: off) unless `greedy` (or `temperature` = 0); greedy
+    decoding gives n equal completions, so it takes n = 1. Bad input (unknown task, K outside 1..n, missing
+    columns) fails before any model is loaded."""
     task_ = get_task(task)
     k_values = check_k(n, list(k))
+    greedy = greedy or temperature == 0
+    if greedy and n != 1:
+        raise ValueError(f"greedy decoding gives the same completion n={n} times: evaluate it with n=1")
+    if not greedy and not (temperature > 0 and 0 < top_p <= 1 and top_k >= 0):
+        raise ValueError(
+            f"sampling needs temperature > 0, 0 < top_p ≤ 1, top_k ≥ 0 (got {temperature}, {top_p}, {top_k})"
+        )
     if not models:
         raise ValueError("give at least one model")
     dataset = load_problems(task_, split, source, limit)
@@ -335,13 +342,16 @@ def evaluate(
         "problems": len(dataset),
         "n": n,
         "max_completion_length": max_completion_length or task_.max_completion_length,
-        "temperature": temperature,
-        "top_p": top_p,
+        "do_sample": not greedy,
+        "temperature": None if greedy else temperature,
+        "top_p": None if greedy else top_p,
+        "top_k": None if greedy else top_k,
         "batch_size": batch_size,
         "seed": seed,
     }
     os.makedirs(os.path.join(out_dir, "records"), exist_ok=True)
     results, taken = {"task": task, "settings": settings, "k": k_values, "models": {}}, set()
+    progress(f"decoding: {decoding_description(settings)}")
     for path in models:
         name = _model_name(path, taken)
         progress(f"{name}: {task} × {len(dataset)} problems, n={n}")
@@ -428,7 +438,7 @@ def plot_pareto(results: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="trl-es eval", description=__doc__.splitlines()[0])
+    parser = command_parser("trl-es eval", __doc__.splitlines()[0])
     parser.add_argument(
         "--model",
         action="append",
@@ -436,17 +446,19 @@ def main(argv: list[str] | None = None) -> dict:
         help="a model directory, checkpoint, PEFT adapter or id ('smollm2'); repeat for several",
     )
     parser.add_argument("--task", required=True, help=", ".join(TASKS))
-    parser.add_argument("--n", type=int, default=8, help="completions sampled per problem")
+    parser.add_argument("--n", type=int, default=8, help="completions sampled per problem (1 with --greedy)")
     parser.add_argument("--k", default="1", help="comma-separated K values for Pass@K and Maj@K, each ≤ n")
     parser.add_argument("--split", default=None, help="the task's split (default: its evaluation split)")
     parser.add_argument("--source", default=None, help="a local data file or hub id instead of the built-in copy")
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first LIMIT problems")
-    parser.add_argument("--max-completion-length", type=int, default=None)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-completion-length", type=int, default=None, help="tokens (None: the task's)")
+    parser.add_argument("--greedy", action="store_true", help="decode greedily (as the demo trains); with --n 1")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+    parser.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: off)")
     parser.add_argument("--batch-size", type=int, default=8, help="problems per generate call (× n completions)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", default="outputs/eval")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--out-dir", default="outputs/eval", help="results, records and plots")
     options = parser.parse_args(argv)
     try:
         k_values = [int(k) for k in options.k.split(",") if k]
@@ -466,7 +478,10 @@ def main(argv: list[str] | None = None) -> dict:
         options.top_p,
         options.batch_size,
         options.seed,
+        greedy=options.greedy,
+        top_k=options.top_k,
     )
+    print(f"decoding: {decoding_description(results['settings'])}")
     print(table(results, "pass"))
     if any(key.startswith("maj@") for key in next(iter(results["models"].values()))):
         print(table(results, "maj"))

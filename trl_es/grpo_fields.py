@@ -12,6 +12,7 @@ meaning (docs/migrating_from_grpo.md).
 
 from __future__ import annotations
 
+import os
 import typing
 from dataclasses import MISSING, field, fields, make_dataclass
 
@@ -87,8 +88,24 @@ def check_grpo_only_fields(config, names: list[str]) -> list[str]:
     """The GRPO-only fields of `config` set to another value than GRPO's default (to list in one warning); a
     ValueError for a refused one."""
     defaults = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(GRPOConfig)}
-    changed = [name for name in names if getattr(config, name) != defaults[name]]
+    changed = [
+        name for name in names if getattr(config, name) != defaults[name] and not _computed_by_grpo(config, name)
+    ]
     for name in changed:
         if name in REFUSED:
             raise ValueError(f"ESConfig.{name}={getattr(config, name)!r} is invalid: {REFUSED[name]}")
     return changed
+
+
+def _computed_by_grpo(config, name: str) -> bool:
+    """Whether a GRPO-only field holds what GRPOConfig's `__post_init__` computes from defaults (a ported GRPOConfig
+    carries these values although its user set nothing)."""
+    value = getattr(config, name)
+    if name == "pad_to_multiple_of":
+        return value is None  # "auto", resolved off Neuron
+    if name == "steps_per_generation":
+        return value == config.gradient_accumulation_steps
+    if name == "generation_batch_size":
+        steps = config.steps_per_generation or config.gradient_accumulation_steps
+        return value == config.per_device_train_batch_size * int(os.environ.get("WORLD_SIZE", 1)) * steps
+    return False

@@ -13,6 +13,7 @@ from trl.trainer.utils import create_model_from_path, disable_dropout_in_model, 
 
 from .compat import import_extra, is_peft_model
 from .es.seeds import adapter_init_seed
+from .models import resolve_model
 
 
 logger = logging.get_logger(__name__)
@@ -33,8 +34,10 @@ def is_adapter_dir(path: str) -> bool:
 def load_starting_model(path: str, adapter_only: bool = False, **model_init_kwargs):
     """The model to train from `path`. A PEFT adapter is loaded onto its base (`base_model_name_or_path` in its
     config) and merged into it, or, with `adapter_only`, kept as a PeftModel whose adapter weights alone are
-    trainable (so ES perturbs only them). Clear errors for a directory without weights or an adapter whose base
-    cannot be loaded."""
+    trainable (so ES perturbs only them). 'smollm2' is SmolLM2-135M-Instruct offline (`models.resolve_model`).
+    Clear errors for a path that does not exist, a directory without weights, an id the Hub cannot provide, or an
+    adapter whose base cannot be loaded."""
+    path = resolve_model(path)
     if os.path.isdir(path) and is_adapter_dir(path):
         return _load_adapter(path, adapter_only, model_init_kwargs)
     if adapter_only:
@@ -44,7 +47,16 @@ def load_starting_model(path: str, adapter_only: bool = False, **model_init_kwar
             f"{path!r} holds no model weights (none of {', '.join(WEIGHT_FILES)}) and no PEFT adapter: a "
             "Trainer checkpoint without its model files cannot be trained from"
         )
-    return create_model_from_path(path, **model_init_kwargs)
+    try:
+        return create_model_from_path(path, **model_init_kwargs)
+    except OSError as error:
+        if os.path.exists(path):
+            raise
+        raise OSError(
+            f"model {path!r} is not a local directory, and the Hugging Face Hub could not provide it (offline, or no "
+            f"such repository): {str(error).splitlines()[0]} — give a local path, or 'smollm2' for the built-in "
+            "SmolLM2-135M-Instruct"
+        ) from error
 
 
 def _load_adapter(path: str, adapter_only: bool, model_init_kwargs: dict):
@@ -93,10 +105,10 @@ def prepare_model(model, args, processing_class=None, peft_config=None):
     """(model, tokenizer, EOS ids) for ESTrainer's `model` argument as GRPOTrainer takes it: an id or path (loaded
     with `args.model_init_kwargs`), a PreTrainedModel or a PeftModel; `peft_config` adds a new adapter. Dropout off,
     pad token set (the EOS when the tokenizer has none)."""
-    model_path = model if isinstance(model, str) else None
+    model_path = resolve_model(model) if isinstance(model, str) else None
     if isinstance(model, str):
         init_kwargs = {"trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})}
-        model = load_starting_model(model, args.es_adapter_only, **init_kwargs)
+        model = load_starting_model(model_path, args.es_adapter_only, **init_kwargs)
     elif args.model_init_kwargs is not None:
         logger.warning("`model_init_kwargs` is ignored: the model is already instantiated.")
     check_model_type(model)

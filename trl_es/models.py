@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 from .compat import let_transformers_see_gguf
@@ -53,6 +54,24 @@ def smollm2_tokenizer_dir() -> str:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         _save_atomically(target, tokenizer.save_pretrained)
     return str(target)
+
+
+SMOLLM2 = "smollm2"
+"""The name every trl-es entry point (ESTrainer, recipes, the CLI) takes for SmolLM2-135M-Instruct, offline."""
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+"""What a Hub repository id looks like (name or owner/name); a path that exists is never taken for one."""
+
+
+def resolve_model(name: str) -> str:
+    """The directory or Hub id `name` stands for: SMOLLM2 is the converted SmolLM2 directory; an existing path is
+    itself; a name that does not exist locally and cannot be a Hub id (an absolute or relative path) is a
+    FileNotFoundError saying so, rather than the Hub's 'Repo id must use alphanumeric chars'."""
+    if name == SMOLLM2:
+        return smollm2_dir()
+    if os.path.exists(name) or HUB_ID.fullmatch(name):
+        return name
+    raise FileNotFoundError(f"model {name!r}: no such directory (and it is not a Hub id)")
 
 
 def smollm2_dir() -> str:

@@ -10,9 +10,13 @@ eval dataset or on each of a dict of them (`eval_<name>_*`).
 from __future__ import annotations
 
 import math
+import os
 import time
 
+import pandas as pd
 import torch
+from transformers.integrations import is_trackio_available, is_wandb_available
+from transformers.utils import is_rich_available
 from trl.trainer.utils import print_prompt_completions_sample
 
 from .es.seeds import eval_seed
@@ -33,32 +37,51 @@ class ReportingMixin:
     """`log` and `evaluate` of `ESTrainer` (see the module docstring)."""
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Trainer's log record, without the loss and gradient norm ES does not have, with the window's metrics."""
-        logs = {k: v for k, v in logs.items() if k not in ("loss", "grad_norm")}
+        """Trainer's log record, without the loss and gradient norm ES does not have (its final summary without
+        `train_loss`), with the window's metrics."""
+        logs = {k: v for k, v in logs.items() if k not in ("loss", "grad_norm", "train_loss")}
         if self._metrics:
             logs.update(window_means(self._metrics))
             self._metrics.clear()
             if self.args.log_completions and self._last_completions and self.accelerator.is_main_process:
-                self._print_completions()
+                self._log_completions()
         super().log(logs, start_time)
 
-    def _print_completions(self) -> None:
-        """The first member's prompts, completions and rewards of the latest step, as GRPOTrainer prints them."""
+    def _log_completions(self) -> None:
+        """The first member's prompts, completions and rewards of the latest step, as GRPOTrainer logs its own:
+        printed (with rich), written to `<output_dir>/completions/completions_<step>.parquet`, and sent as a
+        `completions` table to wandb / trackio when `report_to` names them."""
         prompts, completions, rewards, extras = self._last_completions
-        rows = range(len(prompts))
-        if self.args.log_unique_prompts:
-            first = {str(prompt): k for k, prompt in reversed(list(enumerate(prompts)))}
-            rows = sorted(first.values())
-        pick = lambda values: [values[k] for k in rows]  # noqa: E731
-        print_prompt_completions_sample(
-            pick(prompts),
-            pick(completions),
-            {name: pick(values) for name, values in rewards.items()},
-            None,
-            self.state.global_step,
-            self.args.num_completions_to_print,
-            {name: pick(values) for name, values in extras.items()} or None,
-        )
+        step = self.state.global_step
+        table = pd.DataFrame({"step": [step] * len(prompts), "prompt": prompts, "completion": completions,
+                              **rewards, **extras})  # fmt: skip
+        folder = os.path.join(self.args.output_dir, "completions")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"completions_{step:05d}.parquet")
+        table.to_parquet(f"{path}.partial")
+        os.replace(f"{path}.partial", path)
+        if self.args.log_unique_prompts:  # prompts are conversations (lists of dicts): compared by their text
+            table = table[~table["prompt"].astype(str).duplicated()]
+        if is_rich_available():
+            print_prompt_completions_sample(
+                table["prompt"].tolist(),
+                table["completion"].tolist(),
+                {name: table[name].tolist() for name in rewards},
+                None,
+                step,
+                self.args.num_completions_to_print,
+                {name: table[name].tolist() for name in extras} or None,
+            )
+        report_to = self.args.report_to or []
+        if "wandb" in report_to and is_wandb_available():
+            import wandb
+
+            if wandb.run is not None:
+                wandb.log({"completions": wandb.Table(dataframe=table)})
+        if "trackio" in report_to and is_trackio_available():
+            import trackio
+
+            trackio.log({"completions": trackio.Table(dataframe=table)})
 
     def _eval_generator(self, key):
         """`generate(rows, n, seeds)` of θ for `evaluate_batch`: the backend's batched call, or θ's agent episodes

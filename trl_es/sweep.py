@@ -11,7 +11,6 @@ evaluation API. Writes `sweep.json` and `sweep.png` (score against the share of 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import tempfile
@@ -20,6 +19,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from .atomic import atomic_write_text
+from .cli import command_parser
 from .evaluation import pyplot
 from .sparse import save_delta, threshold_masks, thresholded
 
@@ -70,22 +70,22 @@ def plot(rows: list[dict], path: str, metric: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(prog="trl-es sparsity-sweep", description=__doc__.splitlines()[0])
+    parser = command_parser("trl-es sparsity-sweep", __doc__.splitlines()[0])
     parser.add_argument("--base", default="smollm2", help="the starting model ('smollm2': SmolLM2-135M-Instruct)")
-    parser.add_argument("--tuned", required=True)
-    parser.add_argument("--taus", default="1e-3,1.5e-3,2e-3")
+    parser.add_argument("--tuned", required=True, help="the trained model")
+    parser.add_argument("--taus", default="1e-3,1.5e-3,2e-3", help="comma-separated thresholds τ")
     parser.add_argument("--top", default="0.01,0.1", help="top fractions of entries to keep")
-    parser.add_argument("--out-dir", default="outputs/sparsity-sweep")
+    parser.add_argument("--out-dir", default="outputs/sparsity-sweep", help="results and plot")
     options = parser.parse_args(argv)
 
     from transformers import AutoModelForCausalLM
 
     from . import ESConfig, ESTrainer
     from .demo import held_out_accuracy
-    from .models import smollm2_dir
+    from .models import resolve_model
     from .tasks import first_integer_reward, small_sums
 
-    base_dir = smollm2_dir() if options.base == "smollm2" else options.base
+    base_dir = resolve_model(options.base)
     base = dict(AutoModelForCausalLM.from_pretrained(base_dir).named_parameters())
     tuned = dict(AutoModelForCausalLM.from_pretrained(options.tuned).named_parameters())
     settings = [("tau", float(t)) for t in options.taus.split(",") if t]

@@ -11,6 +11,7 @@ placeholder that only carries α_t.
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from collections import defaultdict
@@ -20,7 +21,9 @@ import torch
 from accelerate.data_loader import BatchSamplerShard
 from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader, SequentialSampler
+from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from trl.trainer.grpo_config import GRPOConfig
 from trl.trainer.utils import get_config_model_id, identity
 
 from .agents import Agents, agent_dataset
@@ -115,6 +118,12 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         if args is None:
             name = model if isinstance(model, str) else get_config_model_id(model.config)
             args = ESConfig(f"{str(name).rstrip('/').split('/')[-1]}-ES")
+        if isinstance(args, GRPOConfig):
+            raise TypeError(
+                "`args` is a GRPOConfig: ESTrainer takes an ESConfig. Convert it with "
+                "ESConfig.from_grpo_config(args, population_size=..., sigma=..., learning_rate=...), which keeps its "
+                "fields (docs/migrating_from_grpo.md)"
+            )
         if not isinstance(args, ESConfig):
             raise TypeError(f"`args` must be an ESConfig, got {type(args).__name__}")
         train_dataset = agent_dataset(train_dataset, args, environment_factory)
@@ -140,6 +149,11 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
             model_init_kwargs=args.model_init_kwargs,
             trust_remote_code=args.trust_remote_code,
             chat_template_kwargs=args.chat_template_kwargs,
+        )
+        columns = getattr(train_dataset, "column_names", None)
+        agents = self.agents
+        self.reward_functions.check_signatures(
+            columns, agents is not None and bool(agents.factories), agents is not None and agents.generates_itself
         )
         super().__init__(
             model=model,
@@ -168,6 +182,7 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
             self.agents.check_reproducible(next(iter(self.train_dataset)), args.seed)
         self._distance = None  # ‖θ − θ₀‖/‖θ₀‖, θ₀ taken at the first step of `train`
         self._metrics = defaultdict(list)
+        self._skipped_steps = 0  # steps whose rewards had no spread, warned about once at the end of `train`
         self._last_completions = self._completions_step = None
 
     def _reward_sources(self, reward_funcs, reward_weights):
@@ -284,14 +299,34 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
     def train(self, *args, **kwargs):
         try:
             self.lock_output_dir()
+            self._skipped_steps = 0
+            self.accelerator.print(self._step_cost(), file=sys.stderr, flush=True)  # on the main process
             output = super().train(*args, **kwargs)
             if self.state.global_step == 0:
                 raise ValueError("no ES step ran: the training dataset gave no prompts (is it empty?)")
+            if self._skipped_steps:
+                warnings.warn(
+                    f"{self._skipped_steps} ES step(s) of this run left the weights unchanged: the population rewards "
+                    "had no spread (all equal, or all None), so they carried no signal (es/skipped_update = 1 in "
+                    "their log records)",
+                    stacklevel=2,
+                )
             return output
         finally:
             self.weights.release()  # the copy of θ and the noise table, rebuilt from the seed when needed
             self._distance = None
             self.unlock_output_dir()
+
+    def _step_cost(self) -> str:
+        """One line, printed when training starts: what one ES step generates."""
+        args = self.args
+        members = args.population_size + (args.es_baseline == "center")
+        completions = members * args.per_device_train_batch_size * args.num_generations
+        return (
+            f"trl-es: each ES step generates {completions} completions ({members} members × "
+            f"{args.per_device_train_batch_size} prompts × num_generations={args.num_generations}, each up to "
+            f"{args.max_completion_length} tokens), over {self.accelerator.num_processes} process(es)"
+        )
 
     # ---- The ES step ------------------------------------------------------------------------------------------
 
@@ -301,7 +336,7 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         On any exception, KeyboardInterrupt included, θ is restored bitwise. A failure on one process is reported to
         all at the all-reduce, so every process restores θ and raises instead of waiting for the others.
         """
-        args = self.args
+        args, step_start = self.args, time.perf_counter()
         with self._full_parameters():
             self.weights.start()
             if self.chain is None:  # a new run's chain, from the weights held now
@@ -324,14 +359,10 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
                 baseline = center if center is not None and center == center else 0.0  # a NaN centre: no baseline
                 fitness = shape_fitness(rewards - baseline, args.fitness_shaping)
                 record = None
-                if fitness is None:
+                if fitness is None:  # logged as es/skipped_update = 1; `train` warns once at its end
                     self.weights.restore()
                     outcome = {"es/update_norm": 0.0, "es/skipped_update": 1.0}
-                    warnings.warn(
-                        f"ES step {step}: the population rewards have no spread ({rewards.tolist()}); the weights are "
-                        "left unchanged. Rewards that are all equal or all None (NaN) carry no signal.",
-                        stacklevel=2,
-                    )
+                    self._skipped_steps += 1
                 else:
                     outcome, record = self.space.tell(members, rewards, fitness, learning_rate)
                     if args.es_optimizer:  # the optimizer applies the gradient estimate `tell` wrote, here
@@ -344,7 +375,8 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
             except BaseException:
                 self.weights.restore()
                 raise
-            self._log_step(summaries[len(slots) - len(members) :], len(rows), center, outcome, times)
+            times["step"] = time.perf_counter() - step_start
+            self._log_step(summaries[len(slots) - len(members) :], rows, center, outcome, times)
             self.processes.write_shards(self.es_params.values())
 
     def _evaluate_population(self, rows: list[dict], step: int, slots: list, times: dict) -> torch.Tensor:
@@ -353,11 +385,14 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         n = self.args.num_generations
         layout = SummaryLayout(len(self.reward_functions.names), len(rows))
         summaries = torch.zeros(len(slots), layout.width, dtype=torch.float64)
-        first_member, error = sum(slot is None for slot in slots), None
+        first_member, error, prompt_tokens = sum(slot is None for slot in slots), None, None
+        times |= {"generate": 0.0, "reward": 0.0}
         try:
             generate = self._generator(rows, step)
             mine = self.processes.slots(len(slots))
             per_call = 1 if self.agents and self.agents.generates_itself else self.space.members_per_call(len(mine))
+            quiet = self.args.disable_tqdm or not self.is_local_process_zero()
+            progress = tqdm(total=len(mine), desc=f"ES step {step + 1}: members", leave=False, disable=quiet)
             for start in range(0, len(mine), per_call):
                 part = mine[start : start + per_call]
                 seeds = [seed for s in part for seed in self._completion_seeds(step, s - first_member, len(rows))]
@@ -366,10 +401,16 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
                     times["noise"] += time.perf_counter() - timer
                     timer = time.perf_counter()
                     generated = generate(len(part), seeds, route)
-                self._metrics["es/time/generate"].extend([(time.perf_counter() - timer) / len(part)] * len(part))
+                times["generate"] += time.perf_counter() - timer
+                timer = time.perf_counter()
                 for j, s in enumerate(part):
                     member_completions = generated.select(j * len(rows) * n, (j + 1) * len(rows) * n)
-                    self._score(s, slots[s] is None, step, rows, member_completions, summaries)
+                    if prompt_tokens is None:  # every member meets the same prompts (and environment resets)
+                        prompt_tokens = sum(map(len, self.generation.tokenize(member_completions.prompts)))
+                    self._score(s, slots[s] is None, step, rows, member_completions, summaries, prompt_tokens)
+                times["reward"] += time.perf_counter() - timer
+                progress.update(len(part))
+            progress.close()
         except Exception as exc:  # reported to the other processes by the all-reduce, then raised
             error = exc
         timer = time.perf_counter()
@@ -410,17 +451,16 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         key = "common" if self.args.common_generation_seed else "center" if member < 0 else member
         return completion_seeds(sampling_seed(self.args.seed, step, key), n_prompts, self.args.num_generations)
 
-    def _score(self, s: int, is_center: bool, step: int, rows: list[dict], generated, summaries: torch.Tensor) -> None:
+    def _score(self, s: int, is_center: bool, step: int, rows, generated, summaries, prompt_tokens: int) -> None:
         """Score slot `s`'s completions and write its summary row: the member reward R (mean completion reward) and
         the rest `summarize` keeps. Keeps the completions table of this process's first member for `log`."""
-        timer, extras = time.perf_counter(), defaultdict(list)
+        extras = defaultdict(list)
         log_metric = lambda name, value: self._metrics[name].append(value)  # noqa: E731
         per_func = self._rewards(rows, generated, log_metric, lambda column, values: extras[column].extend(values))
         if self.args.mask_truncated_completions:  # cut completions get no reward, as GRPO leaves them out of its loss
             per_func[torch.tensor(generated.truncated, dtype=torch.bool)] = float("nan")
         combined = self.reward_functions.combine(per_func)
         reward = combined.nanmean().item()
-        self._metrics["es/time/reward"].append(time.perf_counter() - timer)
         success = (combined >= self.args.success_threshold).double().view(len(rows), -1).mean(1)
         summaries[s] = summarize(
             reward,
@@ -431,22 +471,33 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
             success,
             sum(generated.tool_calls or ()),
             sum(generated.tool_failures or ()),
+            prompt_tokens,
         )
         if not is_center and self._completions_step != step:
             table = {name: per_func[:, k].tolist() for k, name in enumerate(self.reward_functions.names)}
             self._last_completions = (generated.prompts, generated.completions, table, dict(extras))
             self._completions_step = step
 
-    def _log_step(self, members: torch.Tensor, n_prompts: int, center, outcome: dict, times: dict) -> None:
-        """The step's metrics, from the members' all-reduced summaries: the same whatever the number of processes."""
+    def _log_step(self, members: torch.Tensor, rows: list[dict], center, outcome: dict, times: dict) -> None:
+        """The step's metrics, from the members' all-reduced summaries: the same whatever the number of processes.
+        `num_tokens` counts, as GRPOTrainer's, the prompt and completion tokens seen so far, here by every member
+        (a prompt's tokens once per completion; an agent episode's first prompt, as its environment reset it)."""
         args, metrics = self.args, self._metrics
         if center is not None:
             metrics["es/center_reward"].append(center)
-        diversity = n_prompts if args.log_population_diversity else None
         tools = self.agents is not None and bool(self.agents.tools)
-        step = population_metrics(members, self.reward_functions.names, args.log_completion_entropy, diversity, tools)
+        names, entropy, diversity = (
+            self.reward_functions.names,
+            args.log_completion_entropy,
+            args.log_population_diversity,
+        )
+        step = population_metrics(members, names, len(rows), entropy, diversity, tools)
+        layout = SummaryLayout(len(names), len(rows))
+        tokens = members[:, layout.length("prompt_tokens")].sum() + members[:, layout.length("sum")].sum()
+        self.state.num_input_tokens_seen += int(tokens)
+        step |= {"num_tokens": self.state.num_input_tokens_seen, "step_time": times["step"]}
         step |= {"es/sigma": args.sigma, **outcome, "es/rel_distance_from_start": self._distance()}
-        step |= {f"es/time/{name}": times[name] for name in ("noise", "update", "communication")}
+        step |= {f"es/time/{name}": times[name] for name in ("generate", "reward", "noise", "update", "communication")}
         for name, value in step.items():
             metrics[name].append(value)
 

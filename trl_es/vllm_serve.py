@@ -68,7 +68,7 @@ def serve_command(argv: list[str]) -> list[str]:
     )
     parser.add_argument("--model", required=True, help="model directory (or id) to serve: the trainer's model")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: local connections only)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     args, vllm_args = parser.parse_known_args(argv)
     if "--worker-extension-cls" in vllm_args:
         parser.error("--worker-extension-cls is set by trl-es vllm-serve (the ES worker extension)")

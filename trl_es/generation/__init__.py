@@ -4,28 +4,34 @@ served) whose workers hold the members' weights."""
 
 from transformers import GenerationConfig
 
+from ..compat import SAMPLING_FIELDS
 from ..es.weights import LocalWeights
 from .transformers_backend import Completions, TransformersGeneration
 from .vllm_backend import VLLMGeneration, VLLMWeights, require_vllm
 
 
-def generation_config(args, tokenizer, eos_token_ids: list[int]) -> GenerationConfig:
-    """The trainer's GenerationConfig from ESConfig's generation fields, as GRPOTrainer builds it."""
+def decoding_config(tokenizer, eos_token_ids: list[int], max_new_tokens: int, **decoding) -> GenerationConfig:
+    """The one GenerationConfig builder (training and `trl-es eval`): `decoding` holds GRPOConfig's sampling fields
+    (do_sample, temperature, top_p, top_k, min_p, repetition_penalty, cache_implementation) and
+    `generation_kwargs`' overrides; a greedy config drops the sampling fields (transformers warns about them)."""
     settings = {
-        "max_new_tokens": args.max_completion_length,
+        "max_new_tokens": max_new_tokens,
         "do_sample": True,
         "pad_token_id": tokenizer.pad_token_id,
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": eos_token_ids,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "min_p": args.min_p,
-        "repetition_penalty": args.repetition_penalty,
-        "cache_implementation": args.cache_implementation,
-        **(args.generation_kwargs or {}),  # they override the fields above
+        **decoding,
     }
+    if not settings["do_sample"]:
+        settings = {name: value for name, value in settings.items() if name not in SAMPLING_FIELDS}
     return GenerationConfig(**settings, disable_compile=True)
+
+
+def generation_config(args, tokenizer, eos_token_ids: list[int]) -> GenerationConfig:
+    """The trainer's GenerationConfig from ESConfig's generation fields, as GRPOTrainer builds it."""
+    fields = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "cache_implementation")
+    decoding = {name: getattr(args, name) for name in fields} | (args.generation_kwargs or {})  # kwargs override
+    return decoding_config(tokenizer, eos_token_ids, args.max_completion_length, **decoding)
 
 
 def make_backend(model, tokenizer, eos_token_ids, args, accelerator, params, zero_stage):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import copy
+import inspect
 import math
 import numbers
 from collections.abc import Callable
@@ -136,6 +137,43 @@ class RewardFunctions:
             self._thread, self._loop, ready = start_event_loop_in_daemon(name="ESTrainer-reward-loop")
             ready.wait()
             atexit.register(shutdown_event_loop_in_daemon, self._thread, self._loop)
+
+    def check_signatures(self, columns: list[str] | None, environments: bool, extras: bool) -> None:
+        """Before anything is generated: every reward function can take what it will be given, the keyword lists of
+        `__call__` (`columns`: the training dataset's; None when unknown, as for a stream) and its context. A
+        function without `**kwargs` must name each one; a required parameter must be one of them (unless the
+        columns are unknown, or a rollout function adds `extras`)."""
+        given = {"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra"}
+        given |= set(columns or ()) - {"prompt", "completion", "completion_ids"}
+        given |= {"environments"} if environments else set()
+        for func, name in zip(self.funcs, self.names, strict=True):
+            if isinstance(func, nn.Module):
+                continue
+            try:
+                parameters = inspect.signature(func).parameters.values()
+            except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+                continue
+            if any(p.kind is p.VAR_KEYWORD for p in parameters):
+                unexpected = []
+            else:  # what is always given, and the known columns, must each be named
+                named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+                unexpected = sorted(given - named)
+            required = [
+                p.name for p in parameters
+                if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            ]  # fmt: skip
+            missing = [] if extras or columns is None else [p for p in required if p not in given]
+            if unexpected:
+                raise TypeError(
+                    f"reward function {name!r} cannot take the keyword arguments {unexpected} it will be given "
+                    "(GRPOTrainer's reward contract passes prompts, completions, completion_ids, every dataset column, "
+                    "trainer_state, log_metric and log_extra): add **kwargs to its signature"
+                )
+            if missing:
+                raise TypeError(
+                    f"reward function {name!r} requires {missing}, which it will not be given: the training dataset's "
+                    f"columns are {sorted(columns)}"
+                )
 
     def to(self, device: torch.device) -> RewardFunctions:
         for f in self.funcs:

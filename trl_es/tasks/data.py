@@ -30,7 +30,17 @@ def load_rows(source: str, split: str, hub_config: str | None = None) -> Dataset
         if not os.path.isfile(source):
             raise FileNotFoundError(f"task data file {source!r} does not exist")
         return load_dataset("json", data_files=source, split="train")
-    return load_dataset(source, hub_config, split=split)
+    try:
+        return load_dataset(source, hub_config, split=split)
+    except OSError as error:  # offline, or the Hub unreachable (ConnectionError and the Hub's own errors are OSErrors)
+        if os.path.isdir(source):
+            raise
+        raise ValueError(
+            f"the task data comes from the Hub dataset {source!r}, which could not be loaded "
+            f"({type(error).__name__}). Without Hub access, pass a local .json/.jsonl copy (`--source FILE`, or "
+            "`source=`), or set TRL_ES_DATA to a folder holding the task's files (the repository's tests/data "
+            "holds the first rows of each)"
+        ) from error
 
 
 def require_columns(dataset: Dataset, columns: list[str], source: str) -> None:
