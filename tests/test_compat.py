@@ -51,7 +51,7 @@ def test_a_missing_optional_package_is_an_error_naming_its_extra(monkeypatch):
     import sys
 
     from trl_es.compat import import_extra
-    from trl_es.evaluation import pyplot
+    from trl_es.eval_report import pyplot
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the [eval] extra were not installed
     with pytest.raises(ImportError, match=r"plotting needs matplotlib.*pip install 'trl-es\[eval\]'"):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from trl_es.cli import main as cli
-from trl_es.evaluation import evaluate, pareto_front, score_problems, table
+from trl_es.eval_report import pareto_front, table
+from trl_es.evaluation import evaluate, score_problems
 
 
 def read_lines(path):

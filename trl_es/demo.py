@@ -37,7 +37,8 @@ class PrintReward(TrainerCallback):
                 f"step {state.global_step:3d}  mean member reward {logs['reward']:.3f}  "
                 f"(min {logs['es/population_reward_min']:.3f}, max {logs['es/population_reward_max']:.3f})  "
                 f"generate {logs['es/time/generate']:.1f}s  "
-                f"noise+update {logs['es/time/noise'] + logs['es/time/update']:.2f}s",
+                f"noise+update {logs['es/time/noise'] + logs['es/time/update']:.2f}s"
+                f"{'  (no spread: weights unchanged)' if logs.get('es/skipped_update') else ''}",
                 flush=True,
             )
 

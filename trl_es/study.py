@@ -30,7 +30,8 @@ from transformers import TrainerCallback
 
 from .atomic import atomic_write_text
 from .cli import command_parser
-from .evaluation import _report, check_k, evaluate, plot_pareto, plot_pass_at_k, pyplot
+from .eval_report import plot_pareto, plot_pass_at_k, pyplot
+from .evaluation import _report, check_k, evaluate
 from .script import load_reward_funcs
 from .tasks import TASKS, get_task
 

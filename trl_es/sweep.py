@@ -20,7 +20,7 @@ import torch
 
 from .atomic import atomic_write_text
 from .cli import command_parser
-from .evaluation import pyplot
+from .eval_report import pyplot
 from .sparse import save_delta, threshold_masks, thresholded
 
 
