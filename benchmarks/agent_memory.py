@@ -37,7 +37,10 @@ def episodes_rollout(history: int, answer: int):
 
     def rollout(prompts, trainer):
         tokenizer, model = trainer.processing_class, trainer.model
-        prompt_ids = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True) for p in prompts]
+        prompt_ids = [
+            tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+            for p in prompts
+        ]
         call = tokenizer(CALL, add_special_tokens=False)["input_ids"]
         result = tokenizer("<|im_start|>user\n<tool_response>\n", add_special_tokens=False)["input_ids"]
         result += [tokenizer.convert_tokens_to_ids("Ġlog")] * history + tokenizer(

@@ -101,13 +101,16 @@ def problems(n: int, seed: int, terms: int = 2):
 def rates(trainer, dataset, samples: int = 1) -> tuple[float, float]:
     """(share of episodes calling `add` on the problem's numbers, share answering the sum) of θ on `dataset`,
     greedy with `samples` = 1, else `samples` sampled episodes per problem at the training temperature."""
+    from trl_es.generation.transformers_backend import greedy_config
+
     generation, rows = trainer.generation, dataset.to_list()
+    sampled = generation.generation_config
     if samples == 1:
-        generation.generation_config.do_sample = False
+        generation.generation_config = greedy_config(sampled)
     try:
         completions = trainer._eval_generator("held-out")(rows, samples, list(range(len(rows) * samples)))
     finally:
-        generation.generation_config.do_sample = True
+        generation.generation_config = sampled
     called = sum(e.get_reward() for e in completions.environments) / len(completions.environments)
     solved = sum(answered(completions.completions, completions.environments)) / len(completions.environments)
     return called, solved

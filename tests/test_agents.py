@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 import trl
@@ -136,7 +137,8 @@ def test_tools_are_called_and_failures_become_error_text(tmp_path, tiny_model_di
         seen.extend(completions)
         return answer_digits(completions)
 
-    trainer = ESTrainer(tiny_model_dir, reward, args=config(tmp_path), train_dataset=conversational(3), tools=[tool],
+    args = config(tmp_path, log_completions=True)
+    trainer = ESTrainer(tiny_model_dir, reward, args=args, train_dataset=conversational(3), tools=[tool],
                         processing_class=tool_tokenizer(tiny_model_dir))  # fmt: skip
     start = weights(trainer.model)
     batches = scripted(trainer, script)
@@ -149,6 +151,8 @@ def test_tools_are_called_and_failures_become_error_text(tmp_path, tiny_model_di
     assert roles == [["assistant", "tool", "assistant"], ["assistant", "tool", "assistant"], ["assistant"]]
     assert seen[0][1]["content"] == "12" and "unexpected keyword" in seen[1][1]["content"]
     assert moved(trainer, start)
+    table = pd.read_parquet(next((tmp_path / "out" / "completions").glob("*.parquet")))  # episodes as messages
+    assert len(table) == 3 and "tool" in str(table["completion"][0])
 
 
 @pytest.mark.slow  # kept out of the fast suite for time; ~4 s

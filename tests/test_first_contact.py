@@ -23,11 +23,27 @@ def length_reward(completions, **kwargs):
 
 
 def test_a_step_prints_its_cost_and_shows_progress_per_member(tmp_path, tiny_model_dir, prompt_dataset, capsys):
-    args = es_config(tmp_path, max_steps=1, disable_tqdm=False)
-    ESTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset).train()
+    import trl_es.trainer
+
+    bars = []
+
+    class RecordedBar(trl_es.trainer.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bars.append((self, kwargs["disable"]))
+
+    args = es_config(tmp_path, max_steps=2, disable_tqdm=False)
+    trainer = ESTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trl_es.trainer, "tqdm", RecordedBar)
+        trainer.train()
     err = capsys.readouterr().err
     assert "each ES step generates 32 completions (4 members × 4 prompts × num_generations=2" in err
-    assert "ES step 1: members" in err and "4/4" in err  # the per-member bar, numbered as the log numbers steps
+    # one bar per step, numbered as the log numbers steps, counting every member
+    assert [(bar.desc, bar.n, bar.total, disabled) for bar, disabled in bars] == [
+        ("ES step 1: members", 4, 4, False),
+        ("ES step 2: members", 4, 4, False),
+    ]
 
 
 def test_grpo_log_keys_with_their_meaning(tmp_path, tiny_model_dir, prompt_dataset):

@@ -17,6 +17,8 @@ import torch
 from helpers import accelerate_launch, build_tiny_model, free_port
 from transformers import AutoModelForCausalLM
 
+from trl_es.cli import main as cli
+
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 SCRIPT = Path(__file__).parent / "multiprocess_es.py"
@@ -160,10 +162,8 @@ def test_cli_resolves_trl_accelerate_config_short_names(tmp_path, model_dir, one
         "DS_ACCELERATOR": "cpu",
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(EXTENSIONS)),
     }
-    unknown = subprocess.run(
-        [*command, "--accelerate_config", "zero9"], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env
-    )
-    assert unknown.returncode != 0 and "Accelerate config zero9 is neither a file" in unknown.stderr
+    with pytest.raises(SystemExit, match="Accelerate config zero9 is neither a file"):  # refused before launching
+        cli(["es", "--config", str(tmp_path / "recipe.yaml"), "--accelerate_config", "zero9"])
     with open(tmp_path / "recipe.yaml", "a") as recipe:
         recipe.write("accelerate_config: zero3\n")  # TRL's zero3.yaml; the flags below override its settings
     launch = ["--num_processes", "2", "--mixed_precision", "no", "--main_process_port", str(free_port())]

@@ -18,7 +18,6 @@ SCRIPT = Path(__file__).with_name("crash_es.py")
 KILL_POINTS = {
     "full": [
         "torn:save_file:2",  # checkpoint-2's weights cut short
-        "before:replace:2",  # checkpoint-2 complete in the staging folder, not yet published
         "before:rmtree:3",  # published, while rotating the older checkpoint away
     ],
     "merge": ["before:json_dump:2"],  # the Hyper-ES search state not yet written (save_total_limit=1)

@@ -72,11 +72,6 @@ def test_colocate_member_weights_equal_transformers_perturbation(colocate):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_colocate_copes_equals_transformers_copes(colocate):
-    assert colocate["vllm_copes_rewards"] == colocate["hf_copes_rewards"]
-    assert colocate["copes_same_final_weights"]
-
-
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_colocate_without_views_copies_members_in_and_warns(colocate):

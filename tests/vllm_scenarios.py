@@ -135,11 +135,7 @@ def colocate(out: Path) -> dict:
     results["restored_logprobs_bitwise"] = greedy_logprobs(vl, prompt_ids) == before
     results["restored_weights"] = vl.weights.fingerprint() == fingerprint(vl.model)
 
-    # CoPES through vLLM gives the transformers path's run
-    copes = dict(es_search_space="copes", copes_groups=2)
-    hf_copes, results["hf_copes_rewards"], _ = run(out, model_dir, "hf-copes", **copes)
-    vl_copes, results["vllm_copes_rewards"], _ = run(out, model_dir, "vllm-copes", use_vllm=True, **copes)
-    results["copes_same_final_weights"] = fingerprint(hf_copes.model) == fingerprint(vl_copes.model)
+    # (CoPES through vLLM: the regression guard's vLLM scenarios, tests/test_regression_guard.py)
 
     # where vLLM's weights cannot be viewed by HF name (a tensor-parallel shard, say), members are copied in
     # through vLLM's loader: slower, same run, with a warning

@@ -9,6 +9,7 @@ eval dataset or on each of a dict of them (`eval_<name>_*`).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -58,7 +59,13 @@ class ReportingMixin:
         folder = os.path.join(self.args.output_dir, "completions")
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"completions_{step:05d}.parquet")
-        table.to_parquet(f"{path}.partial")
+        try:
+            table.to_parquet(f"{path}.partial")
+        except (TypeError, ValueError):  # messages Arrow cannot type as one struct (tool calls): kept as JSON text
+            as_text = lambda value: value if isinstance(value, str) else json.dumps(value, default=str)  # noqa: E731
+            table.assign(prompt=table["prompt"].map(as_text), completion=table["completion"].map(as_text)).to_parquet(
+                f"{path}.partial"
+            )
         os.replace(f"{path}.partial", path)
         if self.args.log_unique_prompts:  # prompts are conversations (lists of dicts): compared by their text
             table = table[~table["prompt"].astype(str).duplicated()]

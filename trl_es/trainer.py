@@ -376,7 +376,7 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
                 self.weights.restore()
                 raise
             times["step"] = time.perf_counter() - step_start
-            self._log_step(summaries[len(slots) - len(members) :], rows, center, outcome, times)
+            self._log_step(summaries[len(slots) - len(members) :], len(rows), center, outcome, times)
             self.processes.write_shards(self.es_params.values())
 
     def _evaluate_population(self, rows: list[dict], step: int, slots: list, times: dict) -> torch.Tensor:
@@ -478,21 +478,18 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
             self._last_completions = (generated.prompts, generated.completions, table, dict(extras))
             self._completions_step = step
 
-    def _log_step(self, members: torch.Tensor, rows: list[dict], center, outcome: dict, times: dict) -> None:
+    def _log_step(self, members: torch.Tensor, n_prompts: int, center, outcome: dict, times: dict) -> None:
         """The step's metrics, from the members' all-reduced summaries: the same whatever the number of processes.
         `num_tokens` counts, as GRPOTrainer's, the prompt and completion tokens seen so far, here by every member
         (a prompt's tokens once per completion; an agent episode's first prompt, as its environment reset it)."""
         args, metrics = self.args, self._metrics
         if center is not None:
             metrics["es/center_reward"].append(center)
-        tools = self.agents is not None and bool(self.agents.tools)
-        names, entropy, diversity = (
-            self.reward_functions.names,
-            args.log_completion_entropy,
-            args.log_population_diversity,
+        tools, names = self.agents is not None and bool(self.agents.tools), self.reward_functions.names
+        step = population_metrics(
+            members, names, n_prompts, args.log_completion_entropy, args.log_population_diversity, tools
         )
-        step = population_metrics(members, names, len(rows), entropy, diversity, tools)
-        layout = SummaryLayout(len(names), len(rows))
+        layout = SummaryLayout(len(names), n_prompts)
         tokens = members[:, layout.length("prompt_tokens")].sum() + members[:, layout.length("sum")].sum()
         self.state.num_input_tokens_seen += int(tokens)
         step |= {"num_tokens": self.state.num_input_tokens_seen, "step_time": times["step"]}
