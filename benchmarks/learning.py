@@ -1,13 +1,19 @@
-"""Learning per CPU-minute on the demo task: ES settings against TRL's GRPOTrainer at the same wall-clock budget.
+"""Learning curves on the demo task: ES against TRL's GRPOTrainer, interleaved in one run, against time and work.
 
-    python benchmarks/learning.py [--minutes 5] [--seeds 0,1,2] [--settings grpo,base,momentum,...] [--grpo-lr 1e-5]
+    python benchmarks/learning.py [--minutes 10] [--marks 5] [--seeds 0,1,2] [--methods grpo,es] [--out D]
 
-Every run starts from SmolLM2-135M-Instruct, trains on small sums (`first_integer_reward`, greedy rollouts for ES,
-12 new tokens) until `--minutes` of wall clock have passed (the step running at the deadline finishes), then scores
-the held-out check the demo prints (`trl_es.demo.held_out_accuracy`: 64 problems, greedy). Each run is a fresh
-process, one at a time, so every setting gets the same machine. GRPO is the reference: TRL's GRPOTrainer with 4
-prompts × 4 completions per step. Prints, per setting, the held-out accuracy of each seed, their mean and spread,
-and the steps done; writes results.json. Only numbers measured in this run are printed.
+Every run starts from SmolLM2-135M-Instruct and trains on small sums (`first_integer_reward`, 12 new tokens) for
+`--minutes` of wall clock. At `--marks` evenly spaced points of that budget the weights are saved (the saving time
+is not counted: the clock pauses) with the wall-clock seconds, the steps and the completions generated so far. After
+the run, outside its budget, each saved point is scored on the 64 held-out problems: greedy accuracy (the demo's
+check) and sampled (T=1) Pass@1 and Pass@8 with 8 completions per problem (`trl-es eval`'s loop and estimator).
+
+Methods are interleaved per seed, A B for even seed indices and B A for odd ones (A B B A …), each run in a fresh
+process, so slow drifts of the machine fall on both. `es` is the demo's setting (N=8, σ=α=5e-3, 8 prompts, greedy
+members); the other ES names are variants of it (`SETTINGS`); `grpo` is GRPOTrainer with `trl_es.study`'s settings
+(4 prompts × 4 completions, lr 1e-5). Prints, per method and mark, the mean and min–max over seeds; writes
+`results.json` and a plot (`--plot`, default docs/img/learning_curves.png): greedy accuracy and Pass@8 against
+seconds and against completions generated. Claim a lead only where the min–max bands stay apart.
 """
 
 from __future__ import annotations
@@ -15,101 +21,179 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import shutil
 import subprocess
 import sys
 import time
 
+from transformers import TrainerCallback
 
-BASE = {"population_size": 8, "sigma": 3e-3, "learning_rate": 2e-3, "per_device_train_batch_size": 8}
-"""What every ES setting overrides: the demo's settings until this benchmark found larger-steps (now the demo's)."""
+
+ES = {"population_size": 8, "sigma": 5e-3, "learning_rate": 5e-3, "per_device_train_batch_size": 8}
+"""The demo's ES settings, which every ES variant overrides."""
 SETTINGS = {
-    "base": {},  # plain update
-    "momentum": {"es_optimizer": True, "optim": "sgd", "optim_args": "momentum=0.9", "learning_rate": 2e-3 * 3e-3},
-    "adamw": {"es_optimizer": True, "optim": "adamw_torch", "learning_rate": 7e-4},
+    "es": {},
     "antithetic": {"antithetic": True},
-    "larger-steps": {"sigma": 5e-3, "learning_rate": 5e-3},
     "fewer-prompts": {"per_device_train_batch_size": 4},
-    "lowrank-n32": {"es_search_space": "lowrank", "population_size": 32, "sigma": 3e-3, "learning_rate": 4e-3},
+    "sampled": {"generation_kwargs": {"do_sample": True}},
+    "lowrank-n32": {"es_search_space": "lowrank", "population_size": 32, "learning_rate": 8e-3},
 }
-"""ES settings (overrides of BASE). momentum: SGD(0.9) on ĝ with lr = α·σ, BASE's step size at the start.
-adamw: Adam moves each weight by about lr per step; BASE's plain update moves one by α/√N ≈ 7e-4 (rms)."""
+"""ES variants (overrides of `ES`)."""
 
 
-def run(kind: str, name: str, seed: int, minutes: float, grpo_lr: float) -> dict:
-    """One budgeted run in this process: held-out accuracy after it, steps done, seconds."""
-    from trl_es.demo import held_out_accuracy
+class Marks(TrainerCallback):
+    """Stops training after `seconds` of training time and, at `marks` evenly spaced points of it, saves the model
+    and `tokenizer` to `folder/mark-k` with (seconds, step, completions generated so far); the time spent saving is
+    not counted."""
+
+    def __init__(self, seconds: float, marks: int, folder: str, completions_per_step: int):
+        self.times = [seconds * (k + 1) / marks for k in range(marks)]
+        self.folder, self.per_step, self.points, self.tokenizer = folder, completions_per_step, [], None
+        self.start = self.paused = 0.0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start - self.paused
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if len(self.points) < len(self.times) and self.elapsed() >= self.times[len(self.points)]:
+            saving, path = time.perf_counter(), os.path.join(self.folder, f"mark-{len(self.points) + 1}")
+            model.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+            self.points.append({"path": path, "seconds": round(self.elapsed(), 1), "step": state.global_step,
+                                "completions": state.global_step * self.per_step})  # fmt: skip
+            self.paused += time.perf_counter() - saving
+        if len(self.points) == len(self.times):
+            control.should_training_stop = True
+        return control
+
+
+def train(method: str, seed: int, minutes: float, marks: int, folder: str) -> list[dict]:
+    """One budgeted run in this process; the saved points."""
     from trl_es.models import smollm2_dir
-    from trl_es.study import GRPO_SETTINGS, Deadline
+    from trl_es.study import GRPO_SETTINGS
     from trl_es.tasks import first_integer_reward, small_sums
 
-    deadline, train, held_out = Deadline(minutes * 60), small_sums("train"), small_sums("test")
-    common = dict(output_dir=f"/tmp/learning-{kind}-{name}-{seed}", max_steps=10_000, max_completion_length=12,
-                  seed=seed, save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1)  # fmt: skip
-    if kind == "grpo":
+    common = dict(output_dir=os.path.join(folder, "run"), max_steps=100_000, max_completion_length=12, seed=seed,
+                  save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1)  # fmt: skip
+    if method == "grpo":
         from trl import GRPOConfig, GRPOTrainer
 
-        args = GRPOConfig(**common, **{**GRPO_SETTINGS, "learning_rate": grpo_lr})
-        trainer = GRPOTrainer(smollm2_dir(), first_integer_reward, args=args, train_dataset=train,
-                              callbacks=[deadline])  # fmt: skip
-        score = None
+        args = GRPOConfig(**common, **GRPO_SETTINGS)
+        callback = Marks(minutes * 60, marks, folder, args.per_device_train_batch_size)  # completions per step
+        trainer = GRPOTrainer(smollm2_dir(), first_integer_reward, args=args, train_dataset=small_sums("train"),
+                              callbacks=[callback])  # fmt: skip
     else:
         from trl_es import ESConfig, ESTrainer
 
-        args = ESConfig(**common, **{**BASE, **SETTINGS[name]}, generation_kwargs={"do_sample": False})
-        trainer = ESTrainer(smollm2_dir(), first_integer_reward, args=args, train_dataset=train,
-                            callbacks=[deadline])  # fmt: skip
-        score = trainer
-    start = time.perf_counter()
+        settings = {"generation_kwargs": {"do_sample": False}, **ES, **SETTINGS[method]}
+        args = ESConfig(**common, **settings)
+        per_step = args.population_size * args.per_device_train_batch_size * args.num_generations
+        callback = Marks(minutes * 60, marks, folder, per_step)
+        trainer = ESTrainer(smollm2_dir(), first_integer_reward, args=args, train_dataset=small_sums("train"),
+                            callbacks=[callback])  # fmt: skip
+    callback.tokenizer = trainer.processing_class
     trainer.train()
-    seconds = time.perf_counter() - start
-    if score is None:  # GRPOTrainer: score its weights with the same held-out check, through ESTrainer's rollout
-        from trl_es import ESConfig, ESTrainer
+    return callback.points
 
-        score = ESTrainer(trainer.model, first_integer_reward, train_dataset=train, processing_class=trainer.processing_class,
-                          args=ESConfig(output_dir="/tmp/learning-score", max_completion_length=12,
-                                        generation_kwargs={"do_sample": False}, report_to="none"))  # fmt: skip
-    return {"held_out": held_out_accuracy(score, held_out), "steps": trainer.state.global_step, "seconds": seconds}
+
+def score(points: list[dict], folder: str) -> list[dict]:
+    """Greedy held-out accuracy and sampled Pass@1 / Pass@8 of each saved point (then its weights are removed)."""
+    from trl_es.evaluation import evaluate
+
+    for point in points:
+        greedy = evaluate([point["path"]], "small_sums", n=1, k=[1], out_dir=os.path.join(folder, "greedy"),
+                          greedy=True, progress=lambda message: None)  # fmt: skip
+        sampled = evaluate([point["path"]], "small_sums", n=8, k=[1, 8], out_dir=os.path.join(folder, "sampled"),
+                           progress=lambda message: None)  # fmt: skip
+        (g,), (s,) = greedy["models"].values(), sampled["models"].values()
+        point.update(greedy=g["pass@1"], **{"pass@1": s["pass@1"], "pass@8": s["pass@8"]})
+        shutil.rmtree(point.pop("path"))
+    return points
+
+
+def plot(results: list[dict], path: str) -> None:
+    """Greedy accuracy and Pass@8 (mean over seeds, min–max band) against seconds and against completions."""
+    from trl_es.eval_report import pyplot
+
+    plt = pyplot()
+    figure, axes = plt.subplots(2, 2, figsize=(10, 7), sharey="row")
+    for method in dict.fromkeys(r["method"] for r in results):
+        runs = [r["points"] for r in results if r["method"] == method]
+        n = min(len(points) for points in runs)
+        for row, metric in enumerate(("greedy", "pass@8")):
+            for col, x_name in enumerate(("seconds", "completions")):
+                xs = [sum(points[k][x_name] for points in runs) / len(runs) for k in range(n)]
+                values = [[points[k][metric] for points in runs] for k in range(n)]
+                mean = [sum(v) / len(v) for v in values]
+                line = axes[row][col].plot(xs, mean, marker="o", label=method)[0]
+                axes[row][col].fill_between(xs, [min(v) for v in values], [max(v) for v in values],
+                                            color=line.get_color(), alpha=0.2)  # fmt: skip
+                axes[row][col].set_xlabel("wall-clock seconds" if x_name == "seconds" else "completions generated")
+                axes[row][col].set_ylabel("held-out greedy accuracy" if metric == "greedy" else "held-out Pass@8")
+    axes[0][0].legend()
+    figure.suptitle("small sums, SmolLM2-135M-Instruct: mean over seeds, band = min–max")
+    figure.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--minutes", type=float, default=5.0)
+    parser.add_argument("--minutes", type=float, default=10.0, help="training budget per run")
+    parser.add_argument("--marks", type=int, default=5, help="points of each run that are saved and scored")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--settings", default=",".join(["grpo", *SETTINGS]), help="grpo: the reference")
-    parser.add_argument("--grpo-lr", type=float, default=1e-5)
+    parser.add_argument("--methods", default="grpo,es", help=f"two or more of grpo, {', '.join(SETTINGS)}")
     parser.add_argument("--out", default="outputs/learning")
-    parser.add_argument("--one", nargs=3, metavar=("KIND", "NAME", "SEED"), help=argparse.SUPPRESS)
+    parser.add_argument("--plot", default="docs/img/learning_curves.png")
+    parser.add_argument("--one", nargs=2, metavar=("METHOD", "SEED"), help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.one:
-        kind, name, seed = options.one
-        print(json.dumps(run(kind, name, int(seed), options.minutes, options.grpo_lr)))
+        method, seed = options.one
+        folder = os.path.join(options.out, f"{method}-{seed}")
+        points = score(train(method, int(seed), options.minutes, options.marks, folder), folder)
+        print("RESULT " + json.dumps(points))
         return
-    os.makedirs(options.out, exist_ok=True)
-    plan = [("grpo", f"grpo lr={options.grpo_lr:g}") if name == "grpo" else ("es", name)
-            for name in options.settings.split(",")]  # fmt: skip
-    results = {}
-    for kind, name in plan:
-        for seed in [int(s) for s in options.seeds.split(",")]:
-            command = [sys.executable, __file__, "--one", kind, name.split(" ")[0], str(seed),
-                       "--minutes", str(options.minutes), "--grpo-lr", str(options.grpo_lr)]  # fmt: skip
+    methods, seeds = options.methods.split(","), [int(s) for s in options.seeds.split(",")]
+    unknown = [m for m in methods if m != "grpo" and m not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown methods {unknown}")
+    results = []
+    for index, seed in enumerate(seeds):
+        for method in methods if index % 2 == 0 else methods[::-1]:  # A B, then B A: A B B A …
+            command = [sys.executable, __file__, "--one", method, str(seed), "--minutes", str(options.minutes),
+                       "--marks", str(options.marks), "--out", options.out]  # fmt: skip
             done = subprocess.run(command, capture_output=True, text=True)
-            if done.returncode:
-                sys.exit(f"{kind} {name} seed {seed} failed:\n{done.stderr[-3000:]}")
-            results.setdefault(name, []).append(json.loads(done.stdout.strip().splitlines()[-1]))
-            row = results[name][-1]
-            print(f"{name} seed {seed}: held-out {row['held_out']:.3f} after {row['steps']} steps, "
-                  f"{row['seconds']:.0f} s", flush=True)  # fmt: skip
+            line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+            if done.returncode or line is None:
+                sys.exit(f"{method} seed {seed} failed:\n{done.stderr[-3000:]}")
+            results.append({"method": method, "seed": seed, "points": json.loads(line.removeprefix("RESULT "))})
+            last = results[-1]["points"][-1]
+            print(f"{method} seed {seed}: greedy {last['greedy']:.3f}, Pass@8 {last['pass@8']:.3f} after "
+                  f"{last['step']} steps, {last['seconds']:.0f} s", flush=True)  # fmt: skip
     with open(os.path.join(options.out, "results.json"), "w") as file:
-        json.dump({"minutes": options.minutes, "results": results}, file, indent=1)
-    print(
-        f"\n| setting ({options.minutes:g} min each) | held-out per seed | mean | spread | steps |\n|---|---|---:|---:|---:|"
-    )
-    for name, rows in results.items():
-        scores = [row["held_out"] for row in rows]
-        spread = statistics.pstdev(scores) if len(scores) > 1 else 0.0
-        print(f"| {name} | {', '.join(f'{s:.3f}' for s in scores)} | {statistics.mean(scores):.3f} | {spread:.3f} "
-              f"| {statistics.mean(row['steps'] for row in rows):.0f} |")  # fmt: skip
+        json.dump({"minutes": options.minutes, "marks": options.marks, "results": results}, file, indent=1)
+    plot(results, options.plot)
+    print("\n| method | mark | seconds | completions | greedy (min–max) | Pass@1 | Pass@8 (min–max) |")
+    print("|---|---:|---:|---:|---|---:|---|")
+    for method in methods:
+        runs = [r["points"] for r in results if r["method"] == method]
+        for k in range(min(len(points) for points in runs)):
+            at = [points[k] for points in runs]
+            print(f"| {method} | {k + 1} | {mean(at, 'seconds'):.0f} | {mean(at, 'completions'):.0f} | "
+                  f"{span(at, 'greedy')} | {mean(at, 'pass@1'):.3f} | {span(at, 'pass@8')} |")  # fmt: skip
+
+
+def mean(points: list[dict], key: str) -> float:
+    return sum(p[key] for p in points) / len(points)
+
+
+def span(points: list[dict], key: str) -> str:
+    """Mean (min–max) over the seeds."""
+    return f"{mean(points, key):.3f} ({min(p[key] for p in points):.3f}–{max(p[key] for p in points):.3f})"
 
 
 if __name__ == "__main__":

@@ -318,6 +318,7 @@ def test_a_resume_with_other_settings_or_another_runs_chain_is_refused(tmp_path,
         again.train(resume_from_checkpoint=str(checkpoint))
 
 
+@pytest.mark.slow  # kept out of the fast suite for time; ~3.5 s
 def test_chain_only_push_and_replay_from_a_hub_id(tmp_path, tiny_model_dir, monkeypatch):
     """The Hub is the one outside boundary: HfApi and hf_hub_download are replaced by stand-ins that keep the files
     locally; what trl-es uploads and reads back is real."""

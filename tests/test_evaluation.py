@@ -34,6 +34,7 @@ def test_pareto_front():
     assert pareto_front(points) == ["es", "grpo"]
 
 
+@pytest.mark.slow  # kept out of the fast suite for time; ~4 s
 def test_evaluate_writes_results_tables_plots_and_resumes(tiny_model_dir, tmp_path):
     out = str(tmp_path / "eval")
     settings = {

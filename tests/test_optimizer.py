@@ -41,6 +41,7 @@ def train(folder, model_dir, max_steps=3, reward_funcs=reward, **overrides):
     return trainer
 
 
+@pytest.mark.slow  # kept out of the fast suite for time; ~3 s
 def test_sgd_on_the_gradient_estimate_is_the_plain_update(tmp_path, tiny_model_dir):
     """θ − η·(−ĝ) = θ + η/(Nσ)·Σ z ε: SGD with lr η gives the plain update with α = η/σ (up to rounding)."""
     sigma, eta = 0.02, 4e-4

@@ -120,6 +120,7 @@ def test_peft_config_trains_a_new_lora_adapter_only(tmp_path, tiny_model_dir, pr
         ESTrainer(trainer.model, upper_vocab_share, args=args, train_dataset=prompt_dataset, peft_config=lora)
 
 
+@pytest.mark.slow  # kept out of the fast suite for time; ~5 s
 def test_lowrank_batched_population_learns_and_moves_only_linear_weights_by_low_rank(
     tmp_path, tiny_model_dir, prompt_dataset
 ):

@@ -47,6 +47,7 @@ def test_an_interrupted_save_model_leaves_the_directory_as_it_was(
     assert listing(target) == complete
 
 
+@pytest.mark.slow  # kept out of the fast suite for time; ~2.5 s
 def test_checkpoints_are_published_whole_and_the_staging_folder_is_cleaned(tmp_path, tiny_model_dir, prompt_dataset):
     args = es_config(tmp_path, max_steps=2, save_strategy="steps", save_steps=1, save_total_limit=1)
     trainer = ESTrainer(tiny_model_dir, reward, args=args, train_dataset=prompt_dataset)

@@ -253,5 +253,5 @@ def test_example_recipe_parses_into_esconfig():
         args=["--config", str(recipe), "--output_dir", "/tmp/unused"]
     )
     assert model_args.model_name_or_path == "smollm2" and script_args.reward_funcs == ["first_integer_reward"]
-    assert (args.population_size, args.sigma, args.learning_rate) == (8, 0.003, 0.002)
+    assert (args.population_size, args.sigma, args.learning_rate, args.seed) == (8, 0.005, 0.005, 4)
     assert args.generation_kwargs == {"do_sample": False}

@@ -151,6 +151,7 @@ def test_trust_remote_code(models, tmp_path):
     assert type(trainer.model).__name__ == "RemoteForCausalLM"
 
 
+@pytest.mark.slow  # kept out of the fast suite for time; ~3.5 s
 def test_train_with_iterable_dataset(models, tmp_path):
     trainer = ESTrainer(models["qwen2"], models["qwen2_rm"], args=std(tmp_path, max_steps=4),
                         train_dataset=zen(streaming=True))  # fmt: skip
