@@ -33,7 +33,7 @@ from .compat import import_extra
 from .es.noise import CHUNK, MAX_TABLE_SIZE
 from .es.space import SEARCH_SPACES, optimizer_header, rebuild_optimizer, step_optimizer
 from .es.weights import LocalWeights, weights_hash
-from .models import HUB_ID
+from .models import is_hub_repository
 
 
 FORMAT = "trl-es-chain/1"
@@ -128,7 +128,7 @@ def new_chain(args, model, params, space, optimizer, model_source: str, new_adap
     peft_config = getattr(model, "peft_config", {}).get("default") if new_adapter else None
     path = os.path.abspath(model_source) if os.path.isdir(model_source) else None
     named = get_config_model_id(model.config)
-    hub_id = named if HUB_ID.fullmatch(named) and "/" in named and not os.path.exists(named) else None
+    hub_id = named if is_hub_repository(named) else None
     base = Base(
         model=hub_id if path and hub_id else model_source,
         path=path,
@@ -240,7 +240,7 @@ def load_chain(source: str) -> Chain:
             )
     elif os.path.isfile(source):
         path = source
-    elif HUB_ID.fullmatch(source) and "/" in source:
+    elif is_hub_repository(source):  # (an existing path was handled above)
         from huggingface_hub import hf_hub_download
 
         path = hf_hub_download(source, FILE)

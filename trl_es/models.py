@@ -63,6 +63,11 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 """What a Hub repository id looks like (name or owner/name); a path that exists is never taken for one."""
 
 
+def is_hub_repository(name: str) -> bool:
+    """`owner/name` that no local path holds: what trl-es fetches from the Hub (a bare name stays local)."""
+    return HUB_ID.fullmatch(name) is not None and "/" in name and not os.path.exists(name)
+
+
 def resolve_model(name: str) -> str:
     """The directory or Hub id `name` stands for: SMOLLM2 is the converted SmolLM2 directory; an existing path is
     itself; a name that does not exist locally and cannot be a Hub id (an absolute or relative path) is a
