@@ -10,7 +10,10 @@ generates, subtracts the regenerated noise again; the update regenerates every m
 α/N·Σ zᵢ·noiseᵢ (z: the z-scored rewards). trl-es runs ESTrainer: transformers `generate`, vLLM colocated (eager,
 and compiled with torch.compile: `vllm_enforce_eager=False`; "members reloaded" is the eager row with the members
 copied into vLLM by a whole-model reload, as before they were written in place), and the low-rank batched population
-(EGGROLL); full- and low-rank again at `--large-population`.
+(EGGROLL), on transformers (forward hooks) and in vLLM (one LoRA adapter per member, all in one generate call);
+full- and low-rank again at `--large-population`. "plain … generate" rows are the engine limit: one generate call of
+the same rows at θ with no ES at all; each trl-es row is also given as a share of it (EGGROLL reports 91% for its
+batched population), and for the LoRA rows the share of the step the adapters add.
 
 The same workload for all: the first `--prompts` Countdown problems, greedy, every completion exactly `--tokens`
 tokens (`min_new_tokens`), fp32. Each row runs 2 steps in a fresh process and times the last one; "restore bitwise"
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -150,8 +154,44 @@ def trl_es(spec: dict, out_dir: str) -> dict:
     return {"step_seconds": clock.seconds, "split": split, "restore_bitwise": weights.fingerprint() == before}
 
 
+def plain(spec: dict) -> dict:
+    """The engine limit: one generate call of the step's rows (every prompt once per member) at θ, no ES at all,
+    through vLLM (`use_vllm` in the settings; prefix caching off, since members' rows share no prefix) or
+    transformers. The second of 2 calls is timed."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_es.generation import TransformersGeneration, decoding_config
+    from trl_es.models import smollm2_dir
+    from trl_es.tasks import countdown
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).eval()
+    eos, tokens = [tokenizer.eos_token_id], spec["tokens"]
+    config = decoding_config(tokenizer, eos, tokens, do_sample=False, min_new_tokens=tokens)
+    generation = TransformersGeneration(model, tokenizer, config, eos)
+    prompts = [row["prompt"] for row in countdown("train").select(range(spec["prompts"]))]
+    rows = generation.tokenize(prompts) * spec["population"]
+    if spec["settings"].get("use_vllm"):
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=smollm2_dir(), dtype="float32", enforce_eager=True, max_model_len=512,
+                  max_num_batched_tokens=4096, enable_prefix_caching=False)  # fmt: skip
+        params = SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens)
+        call = lambda: llm.generate([{"prompt_token_ids": r} for r in rows], params, use_tqdm=False)  # noqa: E731
+    else:
+        call = lambda: generation.generate_ids(rows, [0] * len(rows))  # noqa: E731
+    call()
+    start = time.perf_counter()
+    call()
+    seconds = time.perf_counter() - start
+    split = {"generate": seconds, "perturb + restore": 0.0, "update": 0.0}
+    return {"step_seconds": seconds, "split": split, "restore_bitwise": None}
+
+
 def worker(spec: dict, out_dir: str) -> None:
-    result = peer(spec) if spec["engine"] == "peer" else trl_es(spec, out_dir)
+    engines = {"peer": peer, "plain": plain}
+    result = engines[spec["engine"]](spec) if spec["engine"] in engines else trl_es(spec, out_dir)
     result["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     Path(out_dir, "result.json").write_text(json.dumps(result))
 
@@ -172,6 +212,7 @@ def main():
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--only", help="run only the rows whose label matches this regex (and the peer's)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -181,20 +222,29 @@ def main():
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
 
     small, large = options.population, options.large_population
-    vllm = {"use_vllm": True, "vllm_max_model_length": 512}
+    vllm, lowrank = {"use_vllm": True, "vllm_max_model_length": 512}, {"es_search_space": "lowrank"}
     rows = [
         ("peer: Qiu et al. loop", "peer", small, {}),
         ("trl-es transformers", "trl-es", small, {}),
         ("trl-es vLLM (eager)", "trl-es", small, vllm),
         ("  same, members reloaded", "trl-es", small, vllm, True),
         ("trl-es vLLM (compiled)", "trl-es", small, {**vllm, "vllm_enforce_eager": False}),
-        ("trl-es low-rank", "trl-es", small, {"es_search_space": "lowrank"}),
+        ("trl-es low-rank", "trl-es", small, lowrank),
+        ("trl-es vLLM low-rank (LoRA)", "trl-es", small, {**vllm, **lowrank}),
+        ("plain transformers generate", "plain", small, {}),
+        ("plain vLLM generate", "plain", small, vllm),
         ("trl-es transformers", "trl-es", large, {}),
-        ("trl-es low-rank", "trl-es", large, {"es_search_space": "lowrank"}),
-        ("  same, 8 members per call", "trl-es", large, {"es_search_space": "lowrank", "lowrank_members_per_call": 8}),
+        ("trl-es vLLM (eager)", "trl-es", large, vllm),
+        ("trl-es low-rank", "trl-es", large, lowrank),
+        ("  same, 8 members per call", "trl-es", large, {**lowrank, "lowrank_members_per_call": 8}),
+        ("trl-es vLLM low-rank (LoRA)", "trl-es", large, {**vllm, **lowrank}),
+        ("plain transformers generate", "plain", large, {}),
+        ("plain vLLM generate", "plain", large, vllm),
     ]
     if options.no_vllm:
         rows = [row for row in rows if "use_vllm" not in row[3]]
+    if options.only:
+        rows = [row for row in rows if row[1] == "peer" or re.search(options.only, row[0])]
     common = {"prompts": options.prompts, "tokens": options.tokens, "sigma": 1e-3}
     scratch = tempfile.mkdtemp()
     print(
@@ -202,22 +252,32 @@ def main():
         f"{options.tokens} tokens, greedy, last of 2 steps; seconds per step split into generate / perturb + restore "
         "/ update"
     )
-    header = f"{'':26} {'N':>3} {'s/step':>7} {'members/min':>12} {'vs peer':>8} {'generate':>9} {'perturb':>8}"
+    header = f"{'':28} {'N':>3} {'s/step':>7} {'members/min':>12} {'vs peer':>8} {'generate':>9} {'perturb':>8}"
     print(f"{header} {'update':>7} {'peak RSS MB':>12} {'restore bitwise':>16}")
-    peer_rate = None
+    peer_rate, results = None, {}
     for k, (label, engine, n, settings, *reload) in enumerate(rows):
         spec = {"label": label, "engine": engine, "population": n, "settings": settings, **common}
         spec["reload_members"] = bool(reload)
-        result = run(spec, os.path.join(scratch, f"row-{k}"))
-        rate = 60 * n / result["step_seconds"]
+        result = results[label.strip(), n] = run(spec, os.path.join(scratch, f"row-{k}"))
+        rate = result["rate"] = 60 * n / result["step_seconds"]
         peer_rate = peer_rate or rate
-        split = result["split"]
+        split, restored = result["split"], {True: "yes", False: "no", None: "-"}[result["restore_bitwise"]]
         print(
-            f"{label:26} {n:3} {result['step_seconds']:7.1f} {rate:12.1f} {rate / peer_rate:7.2f}× "
+            f"{label:28} {n:3} {result['step_seconds']:7.1f} {rate:12.1f} {rate / peer_rate:7.2f}× "
             f"{split['generate']:9.1f} {split['perturb + restore']:8.2f} {split['update']:7.2f} "
-            f"{result['peak_rss'] / 2**20:12.0f} {'yes' if result['restore_bitwise'] else 'no':>16}",
+            f"{result['peak_rss'] / 2**20:12.0f} {restored:>16}",
             flush=True,
         )
+    print("\nEngine limit: members per minute ÷ those of one plain generate call of the same rows at θ")
+    for (label, n), result in results.items():
+        backend = "vLLM" if "vLLM" in label else "transformers"
+        limit = results.get((f"plain {backend} generate", n))
+        if label.startswith("trl-es") and limit:
+            share = ""
+            if "LoRA" in label:  # what the adapters add to a generate call
+                extra = result["split"]["generate"] - limit["step_seconds"]
+                share = f"; the LoRA kernels' share of the step ≈ {max(extra, 0) / result['step_seconds']:.0%}"
+            print(f"  {label:28} N={n:<3} {result['rate'] / limit['rate']:5.0%} of plain {backend}{share}")
 
 
 if __name__ == "__main__":

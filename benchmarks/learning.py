@@ -108,7 +108,7 @@ def score(points: list[dict], folder: str) -> list[dict]:
 
     for point in points:
         greedy = evaluate([point["path"]], "small_sums", n=1, k=[1], out_dir=os.path.join(folder, "greedy"),
-                          greedy=True, progress=lambda message: None)  # fmt: skip
+                          greedy=True, batch_size=64, progress=lambda message: None)  # fmt: skip
         sampled = evaluate([point["path"]], "small_sums", n=8, k=[1, 8], out_dir=os.path.join(folder, "sampled"),
                            progress=lambda message: None)  # fmt: skip
         (g,), (s,) = greedy["models"].values(), sampled["models"].values()
@@ -177,8 +177,8 @@ def main() -> None:
             last = results[-1]["points"][-1]
             print(f"{method} seed {seed}: greedy {last['greedy']:.3f}, Pass@8 {last['pass@8']:.3f} after "
                   f"{last['step']} steps, {last['seconds']:.0f} s", flush=True)  # fmt: skip
-    with open(os.path.join(options.out, "results.json"), "w") as file:
-        json.dump({"minutes": options.minutes, "marks": options.marks, "results": results}, file, indent=1)
+            with open(os.path.join(options.out, "results.json"), "w") as file:  # after every run: nothing is lost
+                json.dump({"minutes": options.minutes, "marks": options.marks, "results": results}, file, indent=1)
     plot(results, options.plot)
     print("\n| method | mark | seconds | completions | greedy (min–max) | Pass@1 | Pass@8 (min–max) |")
     print("|---|---:|---:|---:|---|---:|---|")

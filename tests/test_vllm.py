@@ -99,6 +99,46 @@ def test_colocate_failing_reward_leaves_theta_in_vllm(colocate):
     assert colocate["failure_vllm_holds_theta"]
 
 
+@pytest.fixture(scope="module")
+def lowrank(tmp_path_factory, tokenizer_dir):
+    return scenario("lowrank", tmp_path_factory.mktemp("lowrank"), tokenizer_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_lowrank_members_as_lora_adapters_train_as_the_hooks_do(lowrank):
+    """es_search_space="lowrank" through vLLM: every member of a step in one generate call, each through its own LoRA
+    adapter; the greedy run's rewards equal the transformers path's (forward hooks), so its final weights are the
+    same bitwise, in the trainer and inside vLLM (updated in place)."""
+    assert lowrank["in_place"] is True
+    assert lowrank["vllm_rewards"] == lowrank["hf_rewards"] and lowrank["hf_rewards"][0] != lowrank["hf_rewards"][1]
+    assert lowrank["same_final_weights"] and lowrank["vllm_holds_theta"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_lowrank_adapter_is_the_members_perturbation(lowrank):
+    """A member's effective weight inside vLLM, W + the adapter's B·A, is the hooks' W + σ·sign·A·Bᵀ/√r (within
+    float32 rounding of the perturbation); the adapters are zero once the members' call is over."""
+    errors = lowrank["member_weight_errors"]
+    assert len(errors) == 6 and max(errors) < 1e-5
+    assert lowrank["adapters_zero_after"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_lowrank_through_vllm_replays_resumes_and_restores(lowrank):
+    """The run's seed chain replays to its weights; resuming from step 1 ends on them; sampled members give the same
+    rewards and weights whether they share one call or have a call each; a reward failing mid-step leaves θ in vLLM
+    and no member in its adapters."""
+    assert lowrank["chain_replays"] and lowrank["resume_same_weights"]
+    assert lowrank["sampled_together"] == lowrank["sampled_alone"] and lowrank["sampled_same_weights"]
+    assert lowrank["sampled_together"] != lowrank["vllm_rewards"]  # sampling, not greedy decoding
+    assert lowrank["failure_error"] == "reward server down"
+    assert lowrank["failure_steps_done"] == 1
+    assert lowrank["failure_vllm_holds_theta"] and lowrank["failure_adapters_zero"]
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_server_mode(tmp_path, tokenizer_dir):
@@ -167,7 +207,8 @@ def test_missing_vllm_names_the_install_command(tmp_path, tiny_model_dir, prompt
     [
         ({"vllm_mode": "remote"}, "vllm_mode"),
         ({"vllm_enable_sleep_mode": True}, "backward pass"),
-        ({"es_search_space": "lowrank"}, "forward hooks"),
+        ({"es_search_space": "lowrank", "vllm_mode": "server"}, "vllm_mode='colocate'"),
+        ({"es_search_space": "lowrank", "lowrank_rank": 600}, "rank ≤ 512"),
         ({"log_completion_entropy": True}, "next-token distribution"),
         ({"vllm_gpu_memory_utilization": 1.5}, "vllm_gpu_memory_utilization"),
     ],

@@ -39,11 +39,12 @@ def fingerprint(model):
 
 
 def run(out, model_dir, name, reward_funcs=reward, resume=None, **overrides):
-    """Train 2 greedy ES steps (the rest after `resume`, a checkpoint); return the trainer, its per-step population
+    """Train 2 ES steps, greedy unless `overrides` say otherwise (the rest after `resume`, a checkpoint); return the trainer, its per-step population
     rewards and the seconds `train` took."""
     from trl_es import ESTrainer
 
-    args = es_config(out / name, generation_kwargs={"do_sample": False}, per_device_train_batch_size=8, **overrides)
+    overrides = {"generation_kwargs": {"do_sample": False}, "per_device_train_batch_size": 8, **overrides}
+    args = es_config(out / name, **overrides)
     trainer = ESTrainer(
         model_dir, reward_funcs=reward_funcs, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS})
     )
@@ -181,6 +182,87 @@ def colocate(out: Path) -> dict:
     return results
 
 
+def lowrank(out: Path) -> dict:
+    """Low-rank members as vLLM LoRA adapters, against the transformers low-rank path (forward hooks)."""
+    from trl_es import load_chain
+    from trl_es.chains import replay
+    from trl_es.es import member_seed
+
+    model_dir = build_tiny_model(out / "model", sys.argv[3], **VLLM_MODEL)
+    settings = dict(es_search_space="lowrank", lowrank_rank=2, sigma=0.05, learning_rate=0.05, es_baseline="center")
+    results = {}
+    hf, results["hf_rewards"], _ = run(out, model_dir, "hf", **settings)
+    vl, results["vllm_rewards"], _ = run(out, model_dir, "vllm", use_vllm=True, save_strategy="steps", save_steps=1,
+                                         **settings)  # fmt: skip
+    results["same_final_weights"] = fingerprint(hf.model) == fingerprint(vl.model)
+    results["vllm_holds_theta"] = vl.weights.fingerprint() == vl.weights.local.fingerprint()
+    results["in_place"] = vl.generation.members_in_place
+
+    # a member's effective weights inside vLLM (W + adapter B·A) against the hooks' W + σ·sign/√r·A·Bᵀ
+    from trl_es.es.lowrank import LowRankPopulation
+
+    space = vl.space
+    extension = vl.generation.engine.llm.llm_engine.model_executor.driver_worker.worker
+    members = [(member_seed(5, 1, 0), 1), (member_seed(5, 1, 1), -1)]
+    results["member_weight_errors"] = []
+    with vl.generation.lowrank_members([(seed, space.sigma * sign) for seed, sign in members]):
+        for name, module in list(space.targets.items())[:3]:
+            hooks = LowRankPopulation({name: module}, [m[0] for m in members], [m[1] for m in members], space.sigma, 2)
+            b_all, a_all = hooks.concatenated_factors(name, module.weight)
+            a, b = extension._es_adapters[name]
+            for k in range(len(members)):
+                reference = module.weight.float() + (b_all[:, 2 * k : 2 * k + 2] @ a_all[2 * k : 2 * k + 2]).T
+                slot = extension._es_slots[k]
+                inside = extension._es_weights.params[name].float() + b[slot, 0].float() @ a[slot, 0].float()
+                scale = float((reference - module.weight).abs().max())
+                results["member_weight_errors"].append(float((inside - reference).abs().max()) / scale)
+    results["adapters_zero_after"] = all(not a.any() and not b.any() for a, b in extension._es_adapters.values())
+
+    # the seed chain of the vLLM run replays to its weights; resuming it from step 1 gives them too
+    vl.save_model(str(out / "saved"))
+    replay(load_chain(str(out / "saved")), model_dir, str(out / "replayed"))
+    from transformers import AutoModelForCausalLM
+
+    results["chain_replays"] = fingerprint(AutoModelForCausalLM.from_pretrained(out / "replayed")) == fingerprint(
+        vl.model
+    )
+    resumed, _, _ = run(out, model_dir, "vllm", resume=str(out / "vllm" / "out" / "checkpoint-1"), use_vllm=True,
+                        **settings)  # fmt: skip
+    results["resume_same_weights"] = fingerprint(resumed.model) == fingerprint(vl.model)
+
+    # sampled: a member's completions do not depend on which members share its call
+    sampled = {**settings, "generation_kwargs": {"do_sample": True}}
+    together, results["sampled_together"], _ = run(out, model_dir, "together", use_vllm=True, **sampled)
+    alone, results["sampled_alone"], _ = run(out, model_dir, "alone", use_vllm=True, lowrank_members_per_call=1,
+                                             **sampled)  # fmt: skip
+    results["sampled_same_weights"] = fingerprint(together.model) == fingerprint(alone.model)
+
+    # a reward that fails mid-step: θ intact in the trainer and in vLLM, no member left in the adapters
+    calls = []
+
+    def failing(completions, **kwargs):
+        calls.append(1)
+        if len(calls) == 8:
+            raise RuntimeError("reward server down")
+        return reward(completions)
+
+    from trl_es import ESTrainer
+
+    args = es_config(out / "fail", use_vllm=True, generation_kwargs={"do_sample": False},
+                     per_device_train_batch_size=8, **settings)  # fmt: skip
+    trainer = ESTrainer(model_dir, failing, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    try:
+        trainer.train()
+        results["failure_error"] = None
+    except RuntimeError as error:
+        results["failure_error"] = str(error)
+    results["failure_steps_done"] = trainer.state.global_step
+    results["failure_vllm_holds_theta"] = trainer.weights.fingerprint() == fingerprint(trainer.model)
+    extension = trainer.generation.engine.llm.llm_engine.model_executor.driver_worker.worker
+    results["failure_adapters_zero"] = all(not a.any() and not b.any() for a, b in extension._es_adapters.values())
+    return results
+
+
 def server(out: Path) -> dict:
     """`trl-es vllm-serve` in a subprocess; the trainer in this one."""
     model_dir = build_tiny_model(out / "model", sys.argv[3], **VLLM_MODEL)
@@ -315,5 +397,5 @@ def oom(out: Path) -> dict:
 
 if __name__ == "__main__":
     scenario, out = sys.argv[1], Path(sys.argv[2])
-    results = {"colocate": colocate, "server": server, "oom": oom}[scenario](out)
+    results = {"colocate": colocate, "lowrank": lowrank, "server": server, "oom": oom}[scenario](out)
     (out / "results.json").write_text(json.dumps(results, indent=1))

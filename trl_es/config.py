@@ -178,8 +178,9 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             "subspaces, one of `copes_groups` parameter groups per member with σ·√K, one joint z-score, each group "
             "updated from its own members. 'lowrank' (EGGROLL): each nn.Linear weight's noise is σ·A·Bᵀ/√r of rank "
             "`lowrank_rank`, applied in the forward pass (weights never written), the population generated in "
-            "batched calls; other parameters stay fixed. 'merge' (Hyper-ES): CMA-ES over layer-wise DARE-TIES merge "
-            "coefficients of the task vectors of `merge_models`; the model holds the best merge found."
+            "batched calls (with use_vllm, colocate mode: one LoRA adapter per member); other parameters stay "
+            "fixed. 'merge' (Hyper-ES): CMA-ES over layer-wise DARE-TIES merge coefficients of the task vectors of "
+            "`merge_models`; the model holds the best merge found."
         },
     )
     copes_groups: int = field(default=4, metadata={"help": "CoPES: the number K of parameter groups."})
@@ -196,7 +197,8 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         default=None,
         metadata={
             "help": "Low-rank ES: members per batched generate call (each brings per_device_train_batch_size × "
-            "num_generations rows); default all of this process's members in one call."
+            "num_generations rows); default all of this process's members in one call. With use_vllm, the "
+            "engine's LoRA adapter slots (default population_size + 1)."
         },
     )
 

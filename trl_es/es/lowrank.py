@@ -25,7 +25,6 @@ import torch
 from .seeds import lowrank_seed
 from .space import Direction, SearchSpace, directions, register
 from .update import not_finite, update_coefficients
-from .weights import TrainerWeights
 
 
 def lowrank_factors(
@@ -204,13 +203,14 @@ def write_lowrank_gradient(tensors: dict[str, torch.nn.Parameter], coefficients:
 
 @register
 class LowRankSpace(SearchSpace):
-    """EGGROLL: member i's noise is a rank-r matrix per target `nn.Linear` weight, applied in the forward pass by a
-    `LowRankPopulation` (the weights are never written for a member); `members_per_call` members share one batched
-    generate call (default: all of this process's). Update: `apply_lowrank_update` on the targets' weights, which
-    are the trainer's own tensors (`weights`, a `TrainerWeights`: written in place, undone by `restore`)."""
+    """EGGROLL: member i's noise is a rank-r matrix per target `nn.Linear` weight, applied in the forward pass (the
+    weights are never written for a member): by a `LowRankPopulation` of hooks on the trainer's model, or with
+    `use_vllm` by vLLM's LoRA adapters, one per member (`adapters`: the `VLLMGeneration`, whose `lowrank_members`
+    writes them; `trl_es.generation.vllm_worker`). `members_per_call` members share one batched generate call
+    (default: all of this process's). Update: `apply_lowrank_update` on the targets' weights, which are the trainer's
+    own tensors (`weights.params`: written in place, undone by `restore`), and the same update inside vLLM."""
 
     name = "lowrank"
-    backend = TrainerWeights  # members are hooks on the trainer's model; the update writes its tensors
 
     def __init__(
         self,
@@ -223,6 +223,7 @@ class LowRankSpace(SearchSpace):
         antithetic: bool = False,
         members_per_call: int | None = None,
         gradient: bool = False,
+        adapters=None,
     ):
         if not targets:
             raise ValueError(
@@ -233,6 +234,7 @@ class LowRankSpace(SearchSpace):
         self.sigma = sigma
         self.rank, self.antithetic, self.per_call = rank, antithetic, members_per_call
         self.gradient = gradient  # True: write −ĝ into the weights' .grad for an optimizer (ESConfig.es_optimizer)
+        self.adapters = adapters
 
     @classmethod
     def check_config(cls, args, refuse) -> None:
@@ -243,16 +245,19 @@ class LowRankSpace(SearchSpace):
         if args.weight_decay and not args.es_optimizer:
             refuse("weight_decay", "the plain low-rank update moves θ only along the members' low-rank directions "
                    "(with es_optimizer the optimizer applies weight_decay)")  # fmt: skip
-        if args.use_vllm:
-            refuse("es_search_space", "low-rank members are forward hooks on the trainer's model, which vLLM does not "
-                   "run: use 'full' or 'copes' with use_vllm, or use_vllm=False")  # fmt: skip
+        if args.use_vllm and args.vllm_mode == "server":
+            refuse("es_search_space", "low-rank members run as LoRA adapters inside an in-process vLLM engine: use "
+                   "vllm_mode='colocate', or 'full' with a server")  # fmt: skip
+        if args.use_vllm and args.lowrank_rank > 512:
+            refuse("lowrank_rank", "vLLM's LoRA adapters have rank ≤ 512")
 
     @classmethod
     def from_config(cls, args, model, weights, load_model=None) -> LowRankSpace:
         """From ESConfig: the model's `nn.Linear` weights among those ES selects, rank `lowrank_rank`."""
         common = (args.seed, args.population_size, args.sigma, args.lowrank_rank, args.antithetic)
         targets = lowrank_targets(model, weights.params)
-        return cls(weights, targets, *common, args.lowrank_members_per_call, args.es_optimizer)
+        adapters = weights.generation if args.use_vllm else None  # a VLLMWeights' engine
+        return cls(weights, targets, *common, args.lowrank_members_per_call, args.es_optimizer, adapters)
 
     def ask(self, step: int) -> list[Direction]:
         return directions(self.seed, step, self.population_size, self.antithetic)
@@ -262,7 +267,12 @@ class LowRankSpace(SearchSpace):
 
     @contextlib.contextmanager
     def evaluating(self, members: list[Direction | None]):
-        """The members' `LowRankPopulation`; rows routed to a None member (the centre) see θ."""
+        """The members' `LowRankPopulation` (or vLLM adapters); rows routed to a None member (the centre) see θ."""
+        if self.adapters is not None:  # one adapter per entry; the centre's is zero
+            scales = [(0, 0.0) if m is None else (m.seed, self.sigma * m.sign) for m in members]
+            with self.adapters.lowrank_members(scales) as route:
+                yield route
+            return
         perturbed = [m for m in members if m is not None]
         positions, k = [], 0
         for m in members:  # index into `members` → index into the perturbed ones (−1: the centre)
@@ -279,7 +289,10 @@ class LowRankSpace(SearchSpace):
         tensors = {name: self.weights.params[name] for name in self.targets}  # the trainer's, written in place
         if self.gradient:
             return {"es/gradient_norm": write_lowrank_gradient(tensors, coefficients, self.rank)}, record
-        return {"es/update_norm": apply_lowrank_update(tensors, coefficients, self.rank)}, record
+        norm = apply_lowrank_update(tensors, coefficients, self.rank)
+        if self.adapters is not None:
+            self.weights.mirror(norm, coefficients, 0.0, list(self.targets), self.rank)
+        return {"es/update_norm": norm}, record
 
     def chain_header(self) -> dict:
         return {"kind": self.name, "rank": self.rank, "targets": list(self.targets)}

@@ -50,7 +50,7 @@ def make_backend(model, tokenizer, eos_token_ids, args, accelerator, params, zer
             f"vllm_mode='server' with {accelerator.num_processes} processes: a server holds one member's weights at "
             "a time, so one training process drives it. Use one process, or vllm_mode='colocate'."
         )
-    generation = VLLMGeneration(*generation_args, args.chat_template_kwargs, args, accelerator)
+    generation = VLLMGeneration(*generation_args, args.chat_template_kwargs, args, accelerator, params)
     return generation, VLLMWeights(local, generation)
 
 

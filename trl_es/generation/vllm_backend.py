@@ -9,6 +9,9 @@ extension): seeds and update coefficients over `POST /collective_rpc`, prompts o
 Sampling follows the trainer's `GenerationConfig` (greedy when `do_sample=False`); every completion is its own
 request with its own seed (`trl_es.es.seeds.completion_seed`), so common random numbers hold as on the transformers
 path. The sampled completions are not the same tokens as `generate` would sample.
+
+Low-rank members (`es_search_space="lowrank"`, colocate mode) are LoRA adapters of the engine, one slot per member
+of a call (`VLLMGeneration.lowrank_members`), so one `generate` carries the whole population.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import numpy as np
 import torch
 from transformers import GenerationConfig
 
+from ..es.lowrank import lowrank_targets
 from ..es.weights import LocalWeights
 from .transformers_backend import TransformersGeneration
 
@@ -73,10 +77,28 @@ def _keep_random_state():
     np.random.set_state(numpy_state)
 
 
-class _Colocated:
-    """An in-process `vllm.LLM` (TRL's colocate construction) with the ES worker extension."""
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The adapter ranks a vLLM engine can be built for (`max_lora_rank`); a member of rank r uses the next one up."""
 
-    def __init__(self, path: str, args, accelerator, dtype: torch.dtype):
+
+def lora_settings(args, target_names: list[str]) -> dict:
+    """The `vllm.LLM` LoRA fields for low-rank members (`trl_es.generation.vllm_worker`): one adapter slot per member
+    of a generate call (`lowrank_members_per_call`; default the population and the centre), the smallest vLLM rank
+    ≥ `lowrank_rank`, and adapters only on the layers of the perturbed weights."""
+    return {
+        "enable_lora": True,
+        "max_loras": args.lowrank_members_per_call or args.population_size + 1,
+        "max_cpu_loras": args.lowrank_members_per_call or args.population_size + 1,
+        "max_lora_rank": next(r for r in LORA_RANKS if r >= args.lowrank_rank),
+        "lora_target_modules": sorted({name.split(".")[-2] for name in target_names}),
+    }
+
+
+class _Colocated:
+    """An in-process `vllm.LLM` (TRL's colocate construction) with the ES worker extension; `lora`: its LoRA fields
+    for low-rank members (`lora_settings`)."""
+
+    def __init__(self, path: str, args, accelerator, dtype: torch.dtype, lora: dict | None = None):
         from vllm import LLM
 
         tp = args.vllm_tensor_parallel_size
@@ -109,6 +131,7 @@ class _Colocated:
                     seed=accelerator.process_index // tp,
                     max_num_batched_tokens=4096,
                     worker_extension_cls=WORKER_EXTENSION,
+                    **(lora or {}),
                 )
         except (torch.OutOfMemoryError, ValueError, RuntimeError) as error:
             message = str(error)
@@ -124,12 +147,18 @@ class _Colocated:
     def rpc(self, method: str, payload: dict, *extra) -> list:
         return self.llm.collective_rpc(method, args=(json.dumps(payload), *extra))
 
-    def generate(self, prompt_ids: list[list[int]], settings: list[dict]) -> list[tuple[list[int], str]]:
-        """One completion per prompt, prompt r with `SamplingParams(**settings[r])`."""
+    def generate(
+        self, prompt_ids: list[list[int]], settings: list[dict], adapters: list[int] | None = None
+    ) -> list[tuple[list[int], str]]:
+        """One completion per prompt, prompt r with `SamplingParams(**settings[r])` and, with `adapters`, through the
+        LoRA adapter of id `adapters[r]` (registered by the worker: never loaded from its path)."""
         from vllm import SamplingParams
+        from vllm.lora.request import LoRARequest
 
         params = [SamplingParams(**row) for row in settings]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        lora = None if adapters is None else [LoRARequest(f"es-member-{i}", i, "es-member") for i in adapters]
+        prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
         return [(list(output.outputs[0].token_ids), output.outputs[0].finish_reason) for output in outputs]
 
     def reset_prefix_cache(self) -> None:
@@ -216,16 +245,23 @@ class VLLMGeneration(TransformersGeneration):
         """Whether the engine is a server (`trl-es vllm-serve`) rather than in this process."""
         return isinstance(self.engine, _Server)
 
-    def __init__(self, model, tokenizer, generation_config, eos_token_ids, chat_template_kwargs, args, accelerator):
+    def __init__(
+        self, model, tokenizer, generation_config, eos_token_ids, chat_template_kwargs, args, accelerator, params
+    ):
         super().__init__(model, tokenizer, generation_config, eos_token_ids, chat_template_kwargs)
         known = set(GenerationConfig().to_dict())
         extra = {k: v for k, v in (args.generation_kwargs or {}).items() if k not in known}
         self.settings = sampling_settings(generation_config, eos_token_ids, extra)
         self.dtype = next(model.parameters()).dtype
+        # Low-rank members run as LoRA adapters, one slot per member of a call (`lowrank_members`)
+        self.lowrank_names = list(lowrank_targets(model, params)) if args.es_search_space == "lowrank" else None
+        self.lowrank_rank, self.adapter_ids, self.row_adapters = args.lowrank_rank, [], None
+        lora = None if self.lowrank_names is None else lora_settings(args, self.lowrank_names)
+        self.adapter_slots = lora["max_loras"] if lora else 0
         if args.vllm_mode == "server":
             self.engine = _Server(args)
         else:
-            self.engine = _Colocated(self._model_dir(), args, accelerator, self.dtype)
+            self.engine = _Colocated(self._model_dir(), args, accelerator, self.dtype, lora)
 
     @property
     def max_model_length(self) -> int | None:
@@ -271,6 +307,13 @@ class VLLMGeneration(TransformersGeneration):
                 "in through vLLM's loader (on CPU a whole-model reload, ~1 s per 135M parameters)",
                 stacklevel=2,
             )
+        if self.lowrank_names is not None:
+            payload = {"slots": self.adapter_slots, "rank": self.lowrank_rank, "names": self.lowrank_names}
+            answers = self.engine.rpc("es_lowrank_init", payload)
+            errors = [r["error"] for r in answers if "error" in r]
+            if errors:
+                raise ValueError(f"vLLM cannot hold the low-rank members as LoRA adapters: {errors[0]}")
+            self.adapter_ids = answers[0]["adapter_ids"]
         expected = weights.fingerprint()
         if any(r["fingerprint"] != expected for r in results):
             served = getattr(self.engine, "model", None)
@@ -292,10 +335,40 @@ class VLLMGeneration(TransformersGeneration):
         """vLLM's weights become θ again; the names its tensors changed at."""
         return set(self._weights_changed("es_restore", {})[0]["written"])
 
-    def update(self, coefficients: dict[int, float], decay: float, names: list[str] | None = None) -> float:
-        """The ES update inside vLLM; returns vLLM's ‖Δθ‖₂."""
+    def update(
+        self, coefficients: dict[int, float], decay: float, names: list[str] | None = None, rank: int | None = None
+    ) -> float:
+        """The ES update inside vLLM (with `rank`, the low-rank update `apply_lowrank_update`); returns vLLM's
+        ‖Δθ‖₂."""
         payload = {"coefficients": [[s, c] for s, c in coefficients.items()], "decay": decay, "names": names}
-        return self._weights_changed("es_update", payload)[0]["update_norm"]
+        return self._weights_changed("es_update", payload | ({} if rank is None else {"rank": rank}))[0]["update_norm"]
+
+    @contextlib.contextmanager
+    def lowrank_members(self, members: list[tuple[int, float]]):
+        """Within the context, LoRA adapter k holds member k = (seed, σ·sign; scale 0: the centre θ) over the low-rank
+        weights (`trl_es.generation.vllm_worker`); yields the `Route` (`trl_es.es.space`) that says which member each
+        row of the next `generate_ids` calls evaluates. The adapters are zeroed on exit."""
+        if len(members) > len(self.adapter_ids):
+            raise ValueError(
+                f"{len(members)} members in one generate call, and vLLM was started with {len(self.adapter_ids)} "
+                "adapter slots"
+            )
+        try:
+            self._weights_changed("es_lowrank_members", {"members": [[seed, scale] for seed, scale in members]})
+            yield self._route(len(members))
+        finally:
+            self.row_adapters = None
+            self._weights_changed("es_lowrank_members", {"members": []})
+
+    def _route(self, n_members: int):
+        def route(row_members) -> None:
+            rows = [row_members] if isinstance(row_members, int) else list(row_members)
+            if not all(0 <= m < n_members for m in rows):
+                raise ValueError(f"row_members must lie in [0, {n_members}), got {sorted(set(rows))}")
+            adapters = [self.adapter_ids[m] for m in rows]
+            self.row_adapters = adapters[0] if isinstance(row_members, int) else adapters  # an int: every row
+
+        return route
 
     def generate_ids(self, rows, seeds, record_entropy=False, max_new_tokens=None):
         """One completion per row, as the transformers backend's `generate_ids`: each row is its own request, sampled
@@ -310,7 +383,15 @@ class VLLMGeneration(TransformersGeneration):
             raise ValueError(f"got {len(seeds)} sampling seeds for {len(rows)} rows")
         settings = self.settings if max_new_tokens is None else {**self.settings, "max_tokens": max_new_tokens}
         greedy = settings["temperature"] == 0
-        outputs = self.engine.generate(rows, [settings if greedy else {**settings, "seed": seed} for seed in seeds])
+        row_settings = [settings if greedy else {**settings, "seed": seed} for seed in seeds]
+        adapters = self.row_adapters
+        if adapters is None:
+            outputs = self.engine.generate(rows, row_settings)
+        else:  # inside `lowrank_members`: each row through its member's adapter
+            adapters = [adapters] * len(rows) if isinstance(adapters, int) else adapters
+            if len(adapters) != len(rows):
+                raise ValueError(f"the members route {len(adapters)} rows, the call has {len(rows)}")
+            outputs = self.engine.generate(rows, row_settings, adapters)
         return [ids for ids, _ in outputs], [reason == "length" for _, reason in outputs], None
 
 
@@ -353,7 +434,13 @@ class VLLMWeights:
         """The update on both sides; their norms must agree, and a served engine (which other clients could reach)
         must then hold the trainer's weights bitwise (fingerprints compared)."""
         norm = self.local.update(coefficients, decay, names)
-        vllm_norm = self.generation.update(coefficients, decay, names)
+        self.mirror(norm, coefficients, decay, names)
+        return norm
+
+    def mirror(self, norm: float, coefficients: dict[int, float], decay: float, names=None, rank=None) -> None:
+        """vLLM takes the update the trainer's tensors took (norm `norm`; with `rank`, the low-rank one), checked by
+        its norm."""
+        vllm_norm = self.generation.update(coefficients, decay, names, rank)
         if abs(vllm_norm - norm) > 1e-5 * max(norm, 1e-12):
             raise RuntimeError(
                 f"vLLM's update (‖Δθ‖ = {vllm_norm}) differs from the trainer's ({norm}): its weights no longer "

@@ -20,7 +20,13 @@ Where the views cannot be formed (a tensor-parallel shard, a model whose weights
 worker keeps separate tensors and sends each write through vLLM's loading path: `load_weights` of the changed
 tensors on GPU, a whole-model `reload_weights` plus re-packing on CPU (slow: ~1 s per member for 135M).
 
-The trainer resets vLLM's prefix cache after each call that changes weights.
+Low-rank members (`es_search_space="lowrank"`) are never written into the weights: the engine runs with LoRA
+enabled, one adapter slot per member of a generate call, and `es_lowrank_members` writes member m's factors into
+its slot in place (vLLM's `lora_a_stacked` ← Bᵀ, `lora_b_stacked` ← σ·sign/√r·A: the adapter's B·A is the member's
+σ·sign·A·Bᵀ/√r), so one generate call carries all of them, each request routed to its member's adapter. The
+adapters are zero-initialised placeholders registered once (`es_lowrank_init`), pinned, and never loaded from files.
+
+The trainer resets vLLM's prefix cache after each call that changes weights or adapters.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import os
 
 import torch
 
+from ..es.lowrank import apply_lowrank_update, lowrank_factors
 from ..es.noise import CHUNK, MAX_TABLE_SIZE
 from ..es.weights import LocalWeights, weights_hash
 
@@ -69,6 +76,9 @@ FIELDS = {
     "scale": _is_finite,
     "decay": lambda v: _is_finite(v) and v >= 0,
     "coefficients": _is_coefficients,
+    "rank": lambda v: _is_int(v) and 1 <= v <= 512,
+    "slots": lambda v: _is_int(v) and 1 <= v <= MAX_COEFFICIENTS,
+    "members": _is_coefficients,  # [[seed, scale], ...]: scale = σ·sign, 0 for the centre
 }
 """What each payload field must be; the worker checks every call's arguments before acting on any."""
 
@@ -191,6 +201,8 @@ class ESWorkerExtension:
                     return None
                 offset = sum(len(sibling) for sibling in before)
             param = params.get(target)
+            if param is None:  # with LoRA enabled, vLLM wraps the layer: its weight is the base layer's
+                param = params.get(f"{target.rpartition('.')[0]}.base_layer.{leaf}")
             if param is None or param.dtype != tensor.dtype or param.shape[1:] != tensor.shape[1:]:
                 return None
             rows = param.data.narrow(0, offset, tensor.shape[0]) if offset + tensor.shape[0] <= len(param) else None
@@ -225,10 +237,75 @@ class ESWorkerExtension:
         weights = self._es_weights
         written = weights.center() | set(names)
         coefficients = {int(seed): float(c) for seed, c in args["coefficients"]}
-        norm = weights.update(coefficients, decay=args.get("decay", 0.0), names=names)
+        if "rank" in args:  # the low-rank update W ← W + Σ_s c_s·A_s·B_sᵀ/√r, written into θ's tensors in place
+            try:
+                norm = apply_lowrank_update({n: weights.params[n] for n in names}, coefficients, args["rank"])
+            except BaseException:
+                weights.snapshot.restore(names)  # a non-finite update stops half-way: θ back everywhere
+                self._es_push(set(names))
+                raise
+        else:
+            norm = weights.update(coefficients, decay=args.get("decay", 0.0), names=names)
         weights.capture(names)
         self._es_push(written)
         return {"update_norm": norm}
+
+    def es_lowrank_init(self, payload: str) -> dict:
+        """Register `slots` pinned zero adapters of rank `rank` (module docstring) and find, for each of `names`
+        (the trainer's nn.Linear weights), the adapter tensors of its layer: {"adapter_ids"} (LoRA ids, slot order),
+        or {"error"} when the engine has no LoRA or a name has no adapter slice of its shape."""
+        from vllm.lora.request import LoRARequest
+
+        args = parse_payload(payload, "slots", "rank", "names")
+        manager = getattr(self.model_runner, "lora_manager", None)
+        if manager is None:
+            return {"error": "this vLLM engine runs without LoRA (enable_lora)"}
+        adapters = manager._adapter_manager
+        if args["slots"] > adapters.lora_slots:
+            return {"error": f"{args['slots']} members per call, and the engine has {adapters.lora_slots} LoRA slots"}
+        ids = list(range(1, args["slots"] + 1))
+        for lora_id in ids:
+            manager.add_dummy_lora(LoRARequest(f"es-member-{lora_id}", lora_id, "es-member"), args["rank"])
+            manager.pin_adapter(lora_id)
+            adapters.activate_adapter(lora_id)
+        mapping = adapters.packed_modules_mapping.items()
+        fused = {part: (whole, i) for whole, parts in mapping for i, part in enumerate(parts)}
+        self._es_adapters, self._es_rank = {}, args["rank"]
+        for name in args["names"]:
+            module_name, _, _ = name.rpartition(".")
+            prefix, _, part = module_name.rpartition(".")
+            whole, index = fused.get(part, (part, 0))
+            layer, shape = adapters.modules.get(f"{prefix}.{whole}"), tuple(self._es_weights.params[name].shape)
+            if layer is None or not hasattr(layer, "lora_a_stacked") or index >= len(layer.lora_a_stacked):
+                return {"error": f"vLLM has no LoRA layer for {name!r}"}
+            # (slots, 1, rank, in) and (slots, 1, out, rank)
+            a, b = layer.lora_a_stacked[index], layer.lora_b_stacked[index]
+            if (b.shape[2], a.shape[3]) != shape or a.shape[2] < args["rank"]:
+                return {"error": f"vLLM's LoRA layer for {name!r} is {(b.shape[2], a.shape[3])}, the weight {shape}"}
+            self._es_adapters[name] = (a, b)
+        self._es_slots = [adapters.lora_index_to_id.index(lora_id) for lora_id in ids]
+        return {"adapter_ids": ids}
+
+    @torch.no_grad()
+    def es_lowrank_members(self, payload: str) -> dict:
+        """Write member k of `members` ([[seed, scale], ...], scale = σ·sign; 0 writes zeros: the centre) into adapter
+        slot k for every low-rank name; the slots after the last member are zeroed (no members: all of them)."""
+        args = parse_payload(payload, "members")
+        if len(args["members"]) > len(self._es_slots):
+            raise ValueError(f"{len(args['members'])} members for {len(self._es_slots)} adapter slots")
+        rank = self._es_rank
+        for name, (a_stacked, b_stacked) in self._es_adapters.items():
+            shape = tuple(self._es_weights.params[name].shape)
+            for k, slot in enumerate(self._es_slots):
+                seed, scale = args["members"][k] if k < len(args["members"]) else (0, 0.0)
+                if scale == 0:
+                    a_stacked[slot].zero_()
+                    b_stacked[slot].zero_()
+                    continue
+                a, b = lowrank_factors(seed, name, shape, rank, device=a_stacked.device)
+                a_stacked[slot, 0, :rank].copy_(b.T)
+                b_stacked[slot, 0, :, :rank].copy_(a * (scale / math.sqrt(rank)))
+        return {"members": len(args["members"])}
 
     def _es_known(self, names: list[str] | None) -> list[str]:
         """`names` (default: every ES name), each one of the ES names `es_init` took."""
