@@ -15,8 +15,9 @@ members); the other ES names are variants of it (`SETTINGS`); `grpo` is GRPOTrai
 `results.json` and a plot (`--plot`, default docs/img/learning_curves.png): greedy accuracy and Pass@8 against
 seconds and against completions generated. Claim a lead only where the min–max bands stay apart.
 
-Cost on 2 CPU cores: scoring a point takes ~3 minutes (64 greedy and 512 sampled completions), so the default
-(2 methods × 3 seeds × 10 minutes × 5 points) runs about 2.5 hours.
+Cost on 2 CPU cores: scoring a point takes ~3 minutes (64 greedy and 512 sampled completions), so a run of
+10 minutes × 4 points takes ~23 minutes, and the default (2 methods × 3 seeds × 5 points) about 2.8 hours.
+`--report RESULTS...` prints the table and plot of earlier results.json files, pooled (e.g. seeds run apart).
 """
 
 from __future__ import annotations
@@ -152,8 +153,13 @@ def main() -> None:
     parser.add_argument("--methods", default="grpo,es", help=f"two or more of grpo, {', '.join(SETTINGS)}")
     parser.add_argument("--out", default="outputs/learning")
     parser.add_argument("--plot", default="docs/img/learning_curves.png")
+    parser.add_argument("--report", nargs="+", metavar="RESULTS", help="only print the table and plot of "
+                        "results.json files (several: runs of different seeds, pooled)")  # fmt: skip
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "SEED"), help=argparse.SUPPRESS)
     options = parser.parse_args()
+    if options.report:
+        results = [run for path in options.report for run in json.load(open(path))["results"]]
+        return report(results, list(dict.fromkeys(r["method"] for r in results)), options.plot)
     if options.one:
         method, seed = options.one
         folder = os.path.join(options.out, f"{method}-{seed}")
@@ -179,7 +185,12 @@ def main() -> None:
                   f"{last['step']} steps, {last['seconds']:.0f} s", flush=True)  # fmt: skip
             with open(os.path.join(options.out, "results.json"), "w") as file:  # after every run: nothing is lost
                 json.dump({"minutes": options.minutes, "marks": options.marks, "results": results}, file, indent=1)
-    plot(results, options.plot)
+    report(results, methods, options.plot)
+
+
+def report(results: list[dict], methods: list[str], plot_path: str) -> None:
+    """The plot and, per method and mark, the mean and min–max over the seeds."""
+    plot(results, plot_path)
     print("\n| method | mark | seconds | completions | greedy (min–max) | Pass@1 | Pass@8 (min–max) |")
     print("|---|---:|---:|---:|---|---:|---|")
     for method in methods:
