@@ -175,6 +175,7 @@ def plain(spec: dict) -> dict:
     if spec["settings"].get("use_vllm"):
         from vllm import LLM, SamplingParams
 
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in this process, as the trainer's colocated engine
         llm = LLM(model=smollm2_dir(), dtype="float32", enforce_eager=True, max_model_len=512,
                   max_num_batched_tokens=4096, enable_prefix_caching=False)  # fmt: skip
         params = SamplingParams(temperature=0, max_tokens=tokens, min_tokens=tokens)

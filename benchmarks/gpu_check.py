@@ -15,7 +15,11 @@ trained weights. Workload per member: `--prompts` prompts × `--tokens` new toke
 - memory: `torch.cuda.max_memory_allocated` during an ES step over the same during a plain generate of the batch
   (goal ≤ 1.10: ES adds only the noise table and an update buffer on the GPU);
 - members per minute: ES step (last of 2) full-rank and low-rank (all 30 members in one batched call) against
-  plain generate (60 / seconds of one batch).
+  plain generate (60 / seconds of one batch) and against plain batched generate (one call of the population's
+  rows at θ: the engine limit; low-rank / plain batched is the share of it ES reaches, EGGROLL reports 91%).
+
+vLLM's CUDA path (members written in place, low-rank members as LoRA adapters) is not part of it: vLLM's GPU wheel
+is larger than what can be carried to the GPU machine.
 
 Writes `gpu_check.json` and `gpu_check.md` (a table) into `--out`.
 """
@@ -114,9 +118,10 @@ def peak_bytes() -> int:
     return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
 
 
-def plain_generate(trainer, options) -> tuple[float, int]:
-    """Seconds and peak GPU bytes of one greedy batch of the prompts (what one member generates)."""
-    rows = [row["prompt"] for row in prompts(options.prompts)]
+def plain_generate(trainer, options, copies: int = 1) -> tuple[float, int]:
+    """Seconds and peak GPU bytes of one greedy batch of the prompts (what one member generates), or with `copies`
+    of one batch of every prompt `copies` times (the rows of a whole population, at θ: the engine limit)."""
+    rows = [row["prompt"] for row in prompts(options.prompts)] * copies
     generation = trainer.generation
     ids = generation.tokenize(rows)
     generation.generate(rows, ids, 1, [0] * len(rows))  # warm-up
@@ -161,6 +166,7 @@ def check_shape(label: str, shape: dict, options, scratch: Path, restore: bool) 
         if space == "full":
             result["parameters"] = sum(p.numel() for p in trainer.model.parameters())
             result["generate_seconds"], result["generate_peak_bytes"] = plain_generate(trainer, options)
+            result["batched_generate_seconds"], _ = plain_generate(trainer, options, options.population)
         trainer.train()
         result[f"{space}_step_seconds"], result[f"{space}_peak_bytes"] = clock.seconds, clock.peak
         if space == "full" and restore:
@@ -172,6 +178,7 @@ def check_shape(label: str, shape: dict, options, scratch: Path, restore: bool) 
     n = options.population
     result["members_per_minute"] = {
         "plain generate": 60 / result["generate_seconds"],
+        "plain batched generate": 60 * n / result["batched_generate_seconds"],
         "full-rank ES": 60 * n / result["full_step_seconds"],
         "low-rank ES": 60 * n / result["lowrank_step_seconds"],
     }
@@ -216,9 +223,9 @@ def markdown(results: dict) -> str:
         f"GPU check, {results['device']}, torch {results['torch']}, {results['dtype']}, N={results['population']}, "
         f"{results['prompts']} prompts × {results['tokens']} tokens, greedy",
         "",
-        "| shape | parameters | plain generate members/min | full-rank ES | low-rank ES | low/full | "
-        "ES peak / generate peak | restore bitwise (100 members, failed step) |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| shape | parameters | plain generate members/min | plain batched | full-rank ES | low-rank ES | low/full | "
+        "low-rank / plain batched | ES peak / generate peak | restore bitwise (100 members, failed step) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in results["shapes"]:
         rate = r["members_per_minute"]
@@ -227,8 +234,10 @@ def markdown(results: dict) -> str:
             f"{'yes' if r['restore_after_100_members'] else 'NO'}, {'yes' if r['restore_after_failed_step'] else 'NO'}"
         )
         lines.append(
-            f"| {r['shape']} | {r['parameters'] / 1e6:.0f}M | {rate['plain generate']:.1f} | {rate['full-rank ES']:.1f} "
-            f"| {rate['low-rank ES']:.1f} | {rate['low-rank ES'] / rate['full-rank ES']:.2f}× | {ratio} | {restored} |"
+            f"| {r['shape']} | {r['parameters'] / 1e6:.0f}M | {rate['plain generate']:.1f} "
+            f"| {rate['plain batched generate']:.1f} | {rate['full-rank ES']:.1f} | {rate['low-rank ES']:.1f} "
+            f"| {rate['low-rank ES'] / rate['full-rank ES']:.2f}× "
+            f"| {rate['low-rank ES'] / rate['plain batched generate']:.0%} | {ratio} | {restored} |"
         )
     return "\n".join(lines) + "\n"
 

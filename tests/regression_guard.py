@@ -54,7 +54,7 @@ SCENARIOS = {
 SAME = [("full", "resume"), ("lowrank_sampled", "lowrank_sampled_per_call_2")]
 """Scenarios that must end with the same weights in any environment: a resumed run and an uninterrupted one; a
 sampled population whatever the number of members per generate call."""
-VLLM_SCENARIOS = ("full", "copes")
+VLLM_SCENARIOS = ("full", "copes", "lowrank")
 
 
 def reward(completions, **kwargs):
