@@ -39,8 +39,8 @@ def fingerprint(model):
 
 
 def run(out, model_dir, name, reward_funcs=reward, resume=None, **overrides):
-    """Train 2 ES steps, greedy unless `overrides` say otherwise (the rest after `resume`, a checkpoint); return the trainer, its per-step population
-    rewards and the seconds `train` took."""
+    """Train 2 ES steps, greedy unless `overrides` say otherwise (the rest after `resume`, a checkpoint); return the
+    trainer, its per-step population rewards and the seconds `train` took."""
     from trl_es import ESTrainer
 
     overrides = {"generation_kwargs": {"do_sample": False}, "per_device_train_batch_size": 8, **overrides}
