@@ -56,7 +56,43 @@ def run(out, model_dir, name, reward_funcs=reward, resume=None, **overrides):
 
 def worker_model(trainer):
     """The model inside the in-process vLLM engine (tests only: ES itself goes through collective_rpc)."""
-    return trainer.generation.engine.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    return extension(trainer).model_runner.model
+
+
+def extension(trainer):
+    """The ES worker extension (vLLM's worker) inside the in-process engine."""
+    return trainer.generation.engine.llm.llm_engine.model_executor.driver_worker.worker
+
+
+def adapters_zero(trainer) -> bool:
+    """Whether every low-rank adapter slot inside vLLM holds zeros."""
+    return all(not a.any() and not b.any() for a, b in extension(trainer)._es_adapters.values())
+
+
+def failing_run(out, model_dir, fail_at: int, results: dict, **overrides):
+    """A greedy vLLM run whose reward function raises at its `fail_at`-th call; records in `results` the error, the
+    steps done and whether vLLM still holds the trainer's θ. Returns the trainer."""
+    from trl_es import ESTrainer
+
+    calls = []
+
+    def failing(completions, **kwargs):
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise RuntimeError("reward server down")
+        return reward(completions)
+
+    args = es_config(out / "fail", use_vllm=True, generation_kwargs={"do_sample": False},
+                     per_device_train_batch_size=8, **overrides)  # fmt: skip
+    trainer = ESTrainer(model_dir, failing, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    try:
+        trainer.train()
+        results["failure_error"] = None
+    except RuntimeError as error:
+        results["failure_error"] = str(error)
+    results["failure_steps_done"] = trainer.state.global_step
+    results["failure_vllm_holds_theta"] = trainer.weights.fingerprint() == fingerprint(trainer.model)
+    return trainer
 
 
 def greedy_logprobs(trainer, prompt_ids):
@@ -151,34 +187,7 @@ def colocate(out: Path) -> dict:
     results["copied_same_final_weights"] = fingerprint(hf.model) == fingerprint(copied.model)
 
     # a reward function that fails in the middle of step 1: the error surfaces, θ is intact here and in vLLM
-    calls = []
-
-    def failing(completions, **kwargs):
-        calls.append(1)
-        if len(calls) == 6:
-            raise RuntimeError("reward server down")
-        return reward(completions)
-
-    from trl_es import ESTrainer
-
-    trainer = ESTrainer(
-        model_dir,
-        reward_funcs=failing,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-        args=es_config(
-            out / "fail", use_vllm=True, generation_kwargs={"do_sample": False}, per_device_train_batch_size=8
-        ),
-    )
-    try:
-        trainer.train()
-        results["failure_error"] = None
-    except RuntimeError as error:
-        results["failure_error"] = str(error)
-    results["failure_steps_done"] = trainer.state.global_step
-    after_step_0 = fingerprint(trainer.model)
-    results["failure_vllm_holds_theta"] = (
-        trainer.generation.engine.rpc("es_fingerprint", {})[0]["fingerprint"] == after_step_0
-    )
+    failing_run(out, model_dir, 6, results)
     return results
 
 
@@ -201,22 +210,21 @@ def lowrank(out: Path) -> dict:
     # a member's effective weights inside vLLM (W + adapter B·A) against the hooks' W + σ·sign/√r·A·Bᵀ
     from trl_es.es.lowrank import LowRankPopulation
 
-    space = vl.space
-    extension = vl.generation.engine.llm.llm_engine.model_executor.driver_worker.worker
+    space, inside_vllm = vl.space, extension(vl)
     members = [(member_seed(5, 1, 0), 1), (member_seed(5, 1, 1), -1)]
     results["member_weight_errors"] = []
     with vl.generation.lowrank_members([(seed, space.sigma * sign) for seed, sign in members]):
         for name, module in list(space.targets.items())[:3]:
             hooks = LowRankPopulation({name: module}, [m[0] for m in members], [m[1] for m in members], space.sigma, 2)
             b_all, a_all = hooks.concatenated_factors(name, module.weight)
-            a, b = extension._es_adapters[name]
+            a, b = inside_vllm._es_adapters[name]
             for k in range(len(members)):
                 reference = module.weight.float() + (b_all[:, 2 * k : 2 * k + 2] @ a_all[2 * k : 2 * k + 2]).T
-                slot = extension._es_slots[k]
-                inside = extension._es_weights.params[name].float() + b[slot, 0].float() @ a[slot, 0].float()
+                slot = inside_vllm._es_slots[k]
+                inside = inside_vllm._es_weights.params[name].float() + b[slot, 0].float() @ a[slot, 0].float()
                 scale = float((reference - module.weight).abs().max())
                 results["member_weight_errors"].append(float((inside - reference).abs().max()) / scale)
-    results["adapters_zero_after"] = all(not a.any() and not b.any() for a, b in extension._es_adapters.values())
+    results["adapters_zero_after"] = adapters_zero(vl)
 
     # the seed chain of the vLLM run replays to its weights; resuming it from step 1 gives them too
     vl.save_model(str(out / "saved"))
@@ -238,28 +246,8 @@ def lowrank(out: Path) -> dict:
     results["sampled_same_weights"] = fingerprint(together.model) == fingerprint(alone.model)
 
     # a reward that fails mid-step: θ intact in the trainer and in vLLM, no member left in the adapters
-    calls = []
-
-    def failing(completions, **kwargs):
-        calls.append(1)
-        if len(calls) == 8:
-            raise RuntimeError("reward server down")
-        return reward(completions)
-
-    from trl_es import ESTrainer
-
-    args = es_config(out / "fail", use_vllm=True, generation_kwargs={"do_sample": False},
-                     per_device_train_batch_size=8, **settings)  # fmt: skip
-    trainer = ESTrainer(model_dir, failing, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
-    try:
-        trainer.train()
-        results["failure_error"] = None
-    except RuntimeError as error:
-        results["failure_error"] = str(error)
-    results["failure_steps_done"] = trainer.state.global_step
-    results["failure_vllm_holds_theta"] = trainer.weights.fingerprint() == fingerprint(trainer.model)
-    extension = trainer.generation.engine.llm.llm_engine.model_executor.driver_worker.worker
-    results["failure_adapters_zero"] = all(not a.any() and not b.any() for a, b in extension._es_adapters.values())
+    trainer = failing_run(out, model_dir, 8, results, **settings)
+    results["failure_adapters_zero"] = adapters_zero(trainer)
     return results
 
 

@@ -85,10 +85,11 @@ def lora_settings(args, target_names: list[str]) -> dict:
     """The `vllm.LLM` LoRA fields for low-rank members (`trl_es.generation.vllm_worker`): one adapter slot per member
     of a generate call (`lowrank_members_per_call`; default the population and the centre), the smallest vLLM rank
     ≥ `lowrank_rank`, and adapters only on the layers of the perturbed weights."""
+    slots = args.lowrank_members_per_call or args.population_size + 1
     return {
         "enable_lora": True,
-        "max_loras": args.lowrank_members_per_call or args.population_size + 1,
-        "max_cpu_loras": args.lowrank_members_per_call or args.population_size + 1,
+        "max_loras": slots,
+        "max_cpu_loras": slots,
         "max_lora_rank": next(r for r in LORA_RANKS if r >= args.lowrank_rank),
         "lora_target_modules": sorted({name.split(".")[-2] for name in target_names}),
     }
