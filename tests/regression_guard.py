@@ -10,6 +10,7 @@ the hashes with those recorded in tests/data/regression_hashes.json before the t
 refactoring that changes any bit of any result fails there.
 """
 
+import gc
 import hashlib
 import json
 import os
@@ -22,6 +23,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
+from accelerate import PartialState  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from helpers import build_tiny_model, es_config  # noqa: E402
 
@@ -116,7 +118,15 @@ def main():
     vllm = "--vllm" in sys.argv[3:]
     scenarios = [s for s in sys.argv[3:] if s != "--vllm"]
     extra = {"use_vllm": True} if vllm else {}
-    hashes = {scenario: run(scenario, models, out, **extra) for scenario in scenarios}
+    PartialState()  # accelerate's process group, launched with several processes
+    group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+    hashes = {}
+    for scenario in scenarios:
+        hashes[scenario] = run(scenario, models, out, **extra)
+        gc.collect()  # a finished trainer's engine shuts down here; accelerate's process group must outlive it
+        assert (torch.distributed.group.WORLD if torch.distributed.is_initialized() else None) is group, (
+            f"after {scenario}: the process group accelerate made was destroyed"
+        )
     (out / f"hashes-rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(hashes, indent=1))
 
 

@@ -24,6 +24,7 @@ import random
 import tempfile
 import time
 import warnings
+import weakref
 
 import numpy as np
 import torch
@@ -95,6 +96,23 @@ def lora_settings(args, target_names: list[str]) -> dict:
     }
 
 
+def _shutdown_keeping_process_group(engine_core) -> None:
+    """vLLM's engine shutdown, but the default process group stays. The engine joined the group accelerate made
+    (external launcher) and its shutdown destroys it: the next collective, or the next trainer's engine, would then
+    meet a group re-created over the same rendezvous keys (a race between processes, seen as a hang)."""
+    destroy = torch.distributed.destroy_process_group
+
+    def destroy_subgroups_only(group=None):
+        if group is not None:
+            destroy(group)
+
+    torch.distributed.destroy_process_group = destroy_subgroups_only
+    try:
+        engine_core.shutdown()
+    finally:
+        torch.distributed.destroy_process_group = destroy
+
+
 class _Colocated:
     """An in-process `vllm.LLM` (TRL's colocate construction) with the ES worker extension; `lora`: its LoRA fields
     for low-rank members (`lora_settings`)."""
@@ -115,6 +133,7 @@ class _Colocated:
         os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        keep_process_group = torch.distributed.is_initialized()  # accelerate's: it outlives this engine
         enforce_eager = args.vllm_enforce_eager
         if enforce_eager is None:
             enforce_eager = accelerator.device.type == "cpu"
@@ -134,6 +153,9 @@ class _Colocated:
                     worker_extension_cls=WORKER_EXTENSION,
                     **(lora or {}),
                 )
+            client = self.llm.llm_engine.engine_core  # shut down when collected (vLLM's in-process client)
+            if keep_process_group and client._finalizer.detach():
+                client._finalizer = weakref.finalize(client, _shutdown_keeping_process_group, client.engine_core)
         except (torch.OutOfMemoryError, ValueError, RuntimeError) as error:
             message = str(error)
             if isinstance(error, torch.OutOfMemoryError) or "memory" in message.lower():
