@@ -1,8 +1,9 @@
 """A crash at any moment leaves a resumable run: training killed with SIGKILL while it writes a checkpoint (the
 weights, the optimizer/scheduler/RNG states, the Hyper-ES search state, the publishing rename, the rotation of old
 checkpoints) or at seeded random times, then resumed with `resume_from_checkpoint=True`, ends bitwise on the weights
-of a run that was never interrupted. Each run is a real process (tests/crash_es.py) killed for real."""
+of a run that was never interrupted. Each run is a real process (forked by tests/crash_es.py) killed for real."""
 
+import json
 import random
 import signal
 import subprocess
@@ -25,11 +26,6 @@ KILL_POINTS = {
 RANDOM_KILLS = {"full": 1, "merge": 0}  # at seeded random times within the run
 
 
-def run(models: Path, out: Path, scenario: str, *kill: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(SCRIPT), str(models), str(out), scenario, *kill]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, tokenizer_dir):
     folder = tmp_path_factory.mktemp("crash-models")
@@ -39,20 +35,20 @@ def models(tmp_path_factory, tokenizer_dir):
 
 @pytest.mark.parametrize("scenario", ["full", "merge"])
 def test_killed_runs_resume_to_the_uninterrupted_weights(models, tmp_path, scenario):
-    reference = run(models, tmp_path / "reference", scenario)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    expected = (tmp_path / "reference" / "hash.txt").read_text()
     rng = random.Random(f"crash-{scenario}")
     kills = KILL_POINTS[scenario] + [
         f"after-seconds:{rng.uniform(8, 20):.1f}:0" for _ in range(RANDOM_KILLS[scenario])
     ]
-    for k, kill in enumerate(kills):
-        out = tmp_path / f"trial-{k}"
-        crashed = run(models, out, scenario, kill)
-        killed = crashed.returncode == -signal.SIGKILL
-        assert killed or crashed.returncode == 0, (kill, crashed.stderr[-3000:])
-        if kill.startswith(("before", "after", "torn")):
-            assert killed, f"{kill}: the kill point was never reached"
-        resumed = run(models, out, scenario)
-        assert resumed.returncode == 0, (kill, resumed.stderr[-3000:])
-        assert (out / "hash.txt").read_text() == expected, kill
+    command = [sys.executable, str(SCRIPT), str(models), str(tmp_path), scenario, *kills]
+    process = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert process.returncode == 0, process.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["reference"] is not None, process.stderr[-3000:]
+    assert [trial["kill"] for trial in results["trials"]] == kills
+    for trial in results["trials"]:
+        killed = trial["crashed"] == -signal.SIGKILL
+        assert killed or trial["crashed"] == 0, (trial, process.stderr[-3000:])
+        if not trial["kill"].startswith("after-seconds"):
+            assert killed, f"{trial['kill']}: the kill point was never reached"
+        assert trial["resumed"] == 0, (trial, process.stderr[-3000:])
+        assert trial["hash"] == results["reference"], trial["kill"]
