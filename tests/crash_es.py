@@ -20,6 +20,7 @@ import traceback
 from pathlib import Path
 
 import regression_guard
+
 import trl_es.trainer  # noqa: F401  (imported once, before the runs are forked)
 
 

