@@ -115,12 +115,10 @@ def test_different_architectures_are_named(pair):
         check_same_architecture(base, {**tuned, "a.weight": torch.zeros(3, 2)})
 
 
-@pytest.mark.slow  # launches the command as real processes
-def test_sparsify_and_apply_delta_commands_on_real_models(tmp_path, tiny_model_dir):
-    import subprocess
-    import sys
-
+def test_sparsify_and_apply_delta_commands_on_real_models(tmp_path, tiny_model_dir, capsys):
     from transformers import AutoModelForCausalLM
+
+    from trl_es.cli import main
 
     tuned_dir = tmp_path / "tuned"
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -132,24 +130,31 @@ def test_sparsify_and_apply_delta_commands_on_real_models(tmp_path, tiny_model_d
     model.save_pretrained(tuned_dir)
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "trl_es.cli", *args], capture_output=True, text=True, timeout=300)
+        """`trl-es ARGS` in this process: (exit status, stdout, stderr)."""
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as exit:  # argparse's errors
+            code = exit.code
+        return (code, *capsys.readouterr())
 
     delta = tmp_path / "delta.safetensors"
-    made = cli("sparsify", "--base", tiny_model_dir, "--tuned", str(tuned_dir), "--tau", "1e-3", "--out", str(delta))
-    assert made.returncode == 0, made.stderr[-2000:]
-    assert "kept 64 entries" in made.stdout and delta.stat().st_size < 4096  # 16 rows × 4 columns
+    code, out_text, err = cli("sparsify", "--base", tiny_model_dir, "--tuned", str(tuned_dir), "--tau", "1e-3",
+                              "--out", str(delta))  # fmt: skip
+    assert code == 0, err[-2000:]
+    assert "kept 64 entries" in out_text and delta.stat().st_size < 4096  # 16 rows × 4 columns
     out = tmp_path / "rebuilt"
-    applied = cli("apply-delta", "--base", tiny_model_dir, "--delta", str(delta), "--out", str(out))
-    assert applied.returncode == 0, applied.stderr[-2000:]
+    code, _, err = cli("apply-delta", "--base", tiny_model_dir, "--delta", str(delta), "--out", str(out))
+    assert code == 0, err[-2000:]
     rebuilt = dict(AutoModelForCausalLM.from_pretrained(out).named_parameters())
     base = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
     tuned = dict(AutoModelForCausalLM.from_pretrained(tuned_dir).named_parameters())
     expected = thresholded(base, tuned, threshold_masks(base, tuned, tau=1e-3))
     assert all(torch.equal(rebuilt[name], expected[name]) for name in expected)
-    again = cli("apply-delta", "--base", tiny_model_dir, "--delta", str(delta), "--out", str(out))
-    assert again.returncode != 0 and "already exists" in again.stderr  # nothing overwritten
-    wrong_base = cli("apply-delta", "--base", str(tuned_dir), "--delta", str(delta), "--out", str(tmp_path / "x"))
-    assert wrong_base.returncode == 1 and "other base weights" in wrong_base.stderr
+    code, _, err = cli("apply-delta", "--base", tiny_model_dir, "--delta", str(delta), "--out", str(out))
+    assert code != 0 and "already exists" in err  # nothing overwritten
+    code, _, err = cli("apply-delta", "--base", str(tuned_dir), "--delta", str(delta), "--out", str(tmp_path / "x"))
+    assert code == 1 and "other base weights" in err
     assert not (tmp_path / "x").exists()
 
 
