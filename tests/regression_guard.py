@@ -52,6 +52,7 @@ SCENARIOS = {
         "sampled": True,
         "lowrank_members_per_call": 2,
     },
+    "agents": {},  # tests/test_agents.py's dice game: tool calls, an environment per episode, its reward
 }
 SAME = [("full", "resume"), ("lowrank_sampled", "lowrank_sampled_per_call_2")]
 """Scenarios that must end with the same weights in any environment: a resumed run and an uninterrupted one; a
@@ -92,6 +93,12 @@ def run(scenario: str, models: Path, out: Path, resume=None, **extra) -> str:
     from trl_es import ESTrainer
 
     model_dir = str(models / "model")
+    if scenario == "agents":
+        from test_agents import dice_trainer
+
+        trainer = dice_trainer(model_dir, out / scenario, use_cpu=True, **extra)
+        trainer.train()
+        return weights_sha256(trainer.model)
     overrides = {**SCENARIOS[scenario], **extra}
     if scenario == "merge":
         overrides["merge_models"] = [str(models / f"tuned-{k}") for k in range(2)]

@@ -1,16 +1,13 @@
 """Agent training, as GRPOTrainer takes it: tools, environment_factory, rollout_func. TRL's agent tests
 (tests/test_grpo_trainer.py) carried over as scenarios on the tiny Llama with SmolLM2's tokenizer and TRL's Qwen2.5
 tool template, plus what ES adds: the member is formed for every turn of its episodes, common random numbers for
-environments, 1 vs 2 processes, resume, seed-chain replay, tool timeouts.
+environments, resume, seed-chain replay, tool timeouts (1 vs 2 processes: the regression guard's `agents` scenario).
 
 As TRL's tests do, the model's `generate` is patched to decide when a completion calls a tool (`scripted`): the real
 `generate` still runs with the member's weights, hooks and seeds, and the scripted text keeps a part of what it
 generated, so completions (and rewards) still differ between members.
-
-    python tests/test_agents.py MODEL_DIR OUT_DIR   # what `accelerate launch` runs for the 2-process test
 """
 
-import json
 import os
 import sys
 import time
@@ -25,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import accelerate_launch, build_tiny_model, es_config, weights  # noqa: E402
+from helpers import build_tiny_model, es_config, weights  # noqa: E402
 
 from trl_es import ESConfig, ESTrainer, load_chain  # noqa: E402
 from trl_es.es import weights_hash  # noqa: E402
@@ -575,20 +572,5 @@ def test_batched_lowrank_episodes_do_not_depend_on_which_members_share_a_call(tm
     assert all(torch.equal(p, together[name]) for name, p in alone.items())
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
-def test_two_processes_give_the_weights_of_one_with_an_environment(tmp_path, tiny_model_dir):
-    one = dice_trainer(tiny_model_dir, tmp_path / "one")
-    one.train()
-    process = accelerate_launch(2, __file__, tiny_model_dir, str(tmp_path / "two"))
-    assert process.returncode == 0, process.stderr[-3000:]
-    expected = weights_hash(dict(one.model.named_parameters()))
-    assert [json.loads((tmp_path / "two" / f"hash-rank{r}.json").read_text()) for r in range(2)] == [expected] * 2
-
-
-if __name__ == "__main__":
-    out = Path(sys.argv[2])  # the model directory is the test's (its fixture)
-    trainer = dice_trainer(sys.argv[1], out, use_cpu=True)
-    trainer.train()
-    rank = os.environ.get("RANK", "0")
-    (out / f"hash-rank{rank}.json").write_text(json.dumps(weights_hash(dict(trainer.model.named_parameters()))))
+# Two processes give the weights of one with an environment: the regression guard's `agents` scenario
+# (tests/test_regression_guard.py).

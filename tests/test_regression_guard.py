@@ -1,5 +1,5 @@
 """The final weights of every search space × {transformers 1 and 2 processes, vLLM colocate 2 processes (full,
-CoPES, low-rank as LoRA adapters)} and of a resumed run: one hash per scenario, which every backend and process count
+CoPES, low-rank as LoRA adapters)}, of a resumed run and of an agent with a tool environment: one hash per scenario, which every backend and process count
 must give (tests/regression_guard.py runs them; vLLM in one process: tests/test_vllm.py).
 
 Two checks. In any environment, the scenarios are compared with each other: 2 processes with 1, vLLM with
