@@ -28,9 +28,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
-
-from transformers import TrainerCallback
 
 
 ES = {"population_size": 8, "sigma": 5e-3, "learning_rate": 5e-3, "per_device_train_batch_size": 8}
@@ -45,62 +42,37 @@ SETTINGS = {
 """ES variants (overrides of `ES`)."""
 
 
-class Marks(TrainerCallback):
-    """Stops training after `seconds` of training time and, at `marks` evenly spaced points of it, saves the model
-    and `tokenizer` to `folder/mark-k` with (seconds, step, completions generated so far); the time spent saving is
-    not counted."""
-
-    def __init__(self, seconds: float, marks: int, folder: str, completions_per_step: int):
-        self.times = [seconds * (k + 1) / marks for k in range(marks)]
-        self.folder, self.per_step, self.points, self.tokenizer = folder, completions_per_step, [], None
-        self.start = self.paused = 0.0
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start - self.paused
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        if len(self.points) < len(self.times) and self.elapsed() >= self.times[len(self.points)]:
-            saving, path = time.perf_counter(), os.path.join(self.folder, f"mark-{len(self.points) + 1}")
-            model.save_pretrained(path)
-            self.tokenizer.save_pretrained(path)
-            self.points.append({"path": path, "seconds": round(self.elapsed(), 1), "step": state.global_step,
-                                "completions": state.global_step * self.per_step})  # fmt: skip
-            self.paused += time.perf_counter() - saving
-        if len(self.points) == len(self.times):
-            control.should_training_stop = True
-        return control
-
-
 def train(method: str, seed: int, minutes: float, marks: int, folder: str) -> list[dict]:
     """One budgeted run in this process; the saved points."""
     from trl_es.models import smollm2_dir
-    from trl_es.study import GRPO_SETTINGS
+    from trl_es.study import GRPO_SETTINGS, Budget
     from trl_es.tasks import first_integer_reward, small_sums
 
     common = dict(output_dir=os.path.join(folder, "run"), max_steps=100_000, max_completion_length=12, seed=seed,
                   save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1)  # fmt: skip
+    budget = Budget(minutes * 60, marks, folder)
     if method == "grpo":
         from trl import GRPOConfig, GRPOTrainer
 
         args = GRPOConfig(**common, **GRPO_SETTINGS)
-        callback = Marks(minutes * 60, marks, folder, args.per_device_train_batch_size)  # completions per step
+        per_step = args.per_device_train_batch_size  # completions per step
         trainer = GRPOTrainer(smollm2_dir(), first_integer_reward, args=args, train_dataset=small_sums("train"),
-                              callbacks=[callback])  # fmt: skip
+                              callbacks=[budget])  # fmt: skip
     else:
         from trl_es import ESConfig, ESTrainer
 
         settings = {"generation_kwargs": {"do_sample": False}, **ES, **SETTINGS[method]}
         args = ESConfig(**common, **settings)
         per_step = args.population_size * args.per_device_train_batch_size * args.num_generations
-        callback = Marks(minutes * 60, marks, folder, per_step)
         trainer = ESTrainer(smollm2_dir(), first_integer_reward, args=args, train_dataset=small_sums("train"),
-                            callbacks=[callback])  # fmt: skip
-    callback.tokenizer = trainer.processing_class
+                            callbacks=[budget])  # fmt: skip
+    budget.tokenizer = trainer.processing_class
     trainer.train()
-    return callback.points
+    seconds, end = budget.elapsed(), os.path.join(folder, f"mark-{marks}")
+    trainer.model.save_pretrained(end)
+    trainer.processing_class.save_pretrained(end)
+    points = [*budget.points, {"path": end, "seconds": round(seconds, 1), "step": trainer.state.global_step}]
+    return [point | {"completions": point["step"] * per_step} for point in points]
 
 
 def score(points: list[dict], folder: str) -> list[dict]:

@@ -75,3 +75,42 @@ def test_bad_methods_are_refused_before_training(tmp_path, tiny_model_dir, metho
     with pytest.raises(ValueError, match=message):
         study(quick(tmp_path / "study", tiny_model_dir, methods))
     assert not (tmp_path / "study").exists()
+
+
+@pytest.mark.slow  # two seeds of two methods
+def test_several_seeds_give_one_study_each_and_the_table_of_their_spread(tmp_path, tiny_model_dir, monkeypatch):
+    (tmp_path / "study_reward.py").write_text(REWARD)
+    monkeypatch.chdir(tmp_path)
+    results = study([*quick(tmp_path / "study", tiny_model_dir, "es,grpo"), "--seeds", "0,1", "--marks", "2"])
+
+    out = tmp_path / "study"
+    assert results["seeds"] == [0, 1]
+    for seed in ("0", "1"):  # each seed a whole study of its own, resumable as one
+        assert (out / f"seed-{seed}" / "es" / "training.json").is_file()
+        assert results["by_seed"][seed]["models"].keys() == {"base", "es", "grpo"}
+    es_l2 = [results["by_seed"][seed]["models"]["es"]["update"]["relative_l2"] for seed in ("0", "1")]
+    assert es_l2[0] != es_l2[1]  # other seeds, other noise: the spread is real
+    table = (out / "table.md").read_text()
+    (es_row,) = [line for line in table.splitlines() if line.startswith("| es |")]
+    mean, low, high = sum(es_l2) / 2, min(es_l2), max(es_l2)
+    assert f"{mean:.2e} ({low:.2e}–{high:.2e})" in es_row
+    assert json.loads((out / "results.json").read_text())["seeds"] == [0, 1]
+    assert (out / "reward_vs_time.png").stat().st_size > 0
+    # --marks 2: a point saved before the end, evaluated as the result is; the curve ends on the result's scores
+    for seed in ("0", "1"):
+        for method in ("es", "grpo"):
+            row = results["by_seed"][seed]["models"][method]
+            first, last = row["curve"]
+            assert (out / f"seed-{seed}" / method / "mark-1" / "config.json").is_file()
+            assert first["step"] <= last["step"] == row["training"]["steps"] and first["seconds"] <= last["seconds"]
+            assert last["pass@1"] == row["eval"]["pass@1"] and last["pass@4"] == row["eval"]["pass@4"]
+            assert 0 <= first["pass@1"] <= first["pass@4"] <= 1
+    assert (out / "pass_vs_time.png").stat().st_size > 0 and (out / "seed-0" / "pass_vs_time.png").is_file()
+
+
+def test_bad_seeds_and_marks_are_refused(tmp_path, tiny_model_dir):
+    with pytest.raises(SystemExit):
+        study([*quick(tmp_path / "study", tiny_model_dir), "--seeds", "one,two"])
+    with pytest.raises(ValueError, match="--marks must be ≥ 1"):
+        study([*quick(tmp_path / "study", tiny_model_dir), "--marks", "0"])
+    assert not (tmp_path / "study").exists()

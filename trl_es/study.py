@@ -12,13 +12,18 @@ in all. Then the base and every result are evaluated on the task's held-out prob
 (`trl_es.sparse.update_statistics`: relative L2 and s_τ; `trl_es.analysis`: the cosine between the ES and GRPO
 updates, KL drift on a fixed off-task text sample).
 
-Writes DIR/results.json, DIR/table.md, DIR/reward_vs_time.png, DIR/pass_at_k.png and DIR/pareto.png. Re-running
+Writes DIR/results.json, DIR/table.md, DIR/reward_vs_time.png, DIR/pass_at_k.png, DIR/pareto.png and
+DIR/pass_vs_time.png (Pass@1 and Pass@K against wall clock: with `--marks M`, M evenly spaced points of each stage
+are saved, their saving off the clock, and evaluated as the results are). Re-running
 the command resumes: a method whose DIR/<method>/training.json exists is not trained again (an interrupted one
-starts over) and the evaluation keeps its finished batches.
+starts over) and the evaluation keeps its finished batches. With several `--seeds`, each seed's study goes to
+DIR/seed-<s>/ and DIR gets the table of every metric's mean (min–max) over the seeds, their results and the training
+rewards of every seed against time.
 """
 
 from __future__ import annotations
 
+import argparse
 import glob
 import hashlib
 import json
@@ -57,22 +62,34 @@ OFF_TASK_TEXTS = [
 next-token distribution away from the task."""
 
 
-class Deadline(TrainerCallback):
-    """Stops training once `seconds` of wall clock have passed since it began; records (seconds, step, reward) of
-    each logged step."""
+class Budget(TrainerCallback):
+    """Stops training once `seconds` of training time have passed; records (seconds, step, reward) of each logged
+    step; at `marks - 1` evenly spaced points before the end saves the model and `tokenizer` to `folder/mark-k` with
+    (path, seconds, step): the points of a learning curve. Time spent saving is not counted."""
 
-    def __init__(self, seconds: float):
-        self.seconds, self.start, self.history = seconds, None, []
+    def __init__(self, seconds: float, marks: int = 1, folder: str = "", tokenizer=None):
+        self.seconds, self.times = seconds, [seconds * (k + 1) / marks for k in range(marks - 1)]
+        self.folder, self.tokenizer, self.history, self.points = folder, tokenizer, [], []
+        self.start = self.paused = 0.0
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start - self.paused
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = time.perf_counter()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "reward" in logs:
-            self.history.append((time.perf_counter() - self.start, state.global_step, float(logs["reward"])))
+            self.history.append((self.elapsed(), state.global_step, float(logs["reward"])))
 
-    def on_step_end(self, args, state, control, **kwargs):
-        if time.perf_counter() - self.start >= self.seconds:
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        while len(self.points) < len(self.times) and self.elapsed() >= self.times[len(self.points)]:
+            saving, path = time.perf_counter(), os.path.join(self.folder, f"mark-{len(self.points) + 1}")
+            self.points.append({"path": path, "seconds": round(self.elapsed(), 1), "step": state.global_step})
+            model.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+            self.paused += time.perf_counter() - saving
+        if self.elapsed() >= self.seconds:
             control.should_training_stop = True
         return control
 
@@ -85,8 +102,9 @@ def stage_settings(kind: str, options) -> dict:
 
 
 def train(kind: str, model: str, output_dir: str, dataset, options) -> dict:
-    """One stage: `kind` ("es" or "grpo") trained from `model` for the budget, saved to `output_dir`."""
-    deadline = Deadline(options.budget_minutes * 60)
+    """One stage: `kind` ("es" or "grpo") trained from `model` for the budget, saved to `output_dir` (and its
+    `--marks` points before the end to `output_dir/mark-k`)."""
+    budget = Budget(options.budget_minutes * 60, options.marks, output_dir)
     common = dict(output_dir=output_dir, max_steps=options.max_steps, max_completion_length=options.max_completion_length,
                   seed=options.seed, shuffle_dataset=False, logging_steps=1, save_strategy="no", report_to="none",
                   disable_tqdm=True)  # fmt: skip
@@ -94,21 +112,24 @@ def train(kind: str, model: str, output_dir: str, dataset, options) -> dict:
         from trl import GRPOConfig, GRPOTrainer
 
         args = GRPOConfig(**common, **GRPO_SETTINGS)
-        trainer = GRPOTrainer(model, options.reward_funcs, args=args, train_dataset=dataset, callbacks=[deadline])
+        trainer = GRPOTrainer(model, options.reward_funcs, args=args, train_dataset=dataset, callbacks=[budget])
         completions_per_step = args.per_device_train_batch_size
     else:
         from . import ESConfig, ESTrainer
 
         args = ESConfig(**common, **ES_SETTINGS, generation_kwargs={"do_sample": options.es_sample})
-        trainer = ESTrainer(model, options.reward_funcs, args=args, train_dataset=dataset, callbacks=[deadline])
+        trainer = ESTrainer(model, options.reward_funcs, args=args, train_dataset=dataset, callbacks=[budget])
         completions_per_step = args.population_size * args.per_device_train_batch_size * args.num_generations
-    start = time.perf_counter()
+    budget.tokenizer = trainer.processing_class
     trainer.train()
-    seconds = time.perf_counter() - start
+    seconds = budget.elapsed()
     trainer.save_model()
     steps = trainer.state.global_step
+    points = [*budget.points, {"path": output_dir, "seconds": round(seconds, 1), "step": steps}]
+    for point in points:
+        point["completions"] = point["step"] * completions_per_step
     return {"settings": stage_settings(kind, options), "steps": steps, "seconds": round(seconds, 1),
-            "completions": steps * completions_per_step, "history": deadline.history}  # fmt: skip
+            "completions": steps * completions_per_step, "history": budget.history, "points": points}  # fmt: skip
 
 
 def stage_inputs(kind: str, options, start: str) -> dict:
@@ -121,7 +142,8 @@ def stage_inputs(kind: str, options, start: str) -> dict:
             for block in iter(lambda: file.read(1 << 24), b""):
                 digest.update(block)
     return {"starts_from": start, "weights_sha256": digest.hexdigest() if weights else None,
-            "budget_minutes": options.budget_minutes, "max_steps": options.max_steps, "seed": options.seed,
+            "budget_minutes": options.budget_minutes, "marks": options.marks, "max_steps": options.max_steps,
+            "seed": options.seed,
             "task": options.task, "train_split": options.train_split, "reward": options.reward,
             "max_completion_length": options.max_completion_length, "settings": stage_settings(kind, options)}  # fmt: skip
 
@@ -182,20 +204,41 @@ def measure_updates(base_path: str, paths: dict[str, str]) -> dict:
     return measures
 
 
+def table_columns(results: dict) -> list[str]:
+    ks, k = results["k"], results["k"][-1]
+    return ["steps", "seconds", *(f"pass@{x}" for x in ks), f"maj@{k}", "entropy", "rel. L2",
+            "s_τ " + "/".join(f"{t:g}" for t in TAUS), "KL drift"]  # fmt: skip
+
+
+def table_values(results: dict, name: str) -> dict:
+    """A model's row of the table as numbers, by column (a column without a value, as the base's training, absent;
+    s_τ is a tuple, one share per τ)."""
+    row, ks, k = results["models"][name], results["k"], results["k"][-1]
+    scores, training, update = row["eval"], row.get("training"), row.get("update")
+    values = {f"pass@{x}": scores[f"pass@{x}"] for x in ks}
+    values |= {f"maj@{k}": scores.get(f"maj@{k}", float("nan")), "entropy": scores["mean_token_entropy"]}
+    if training:
+        values |= {"steps": training["steps"], "seconds": training["seconds"]}
+    if update:
+        values |= {"rel. L2": update["relative_l2"], "KL drift": update["kl_drift"],
+                   table_columns(results)[-2]: tuple(update["s_tau"].values())}  # fmt: skip
+    return values
+
+
+def cell(column: str, value) -> str:
+    if isinstance(value, tuple):
+        return "/".join(f"{share:.2f}" for share in value)
+    formats = {"steps": "{:.0f}", "seconds": "{:.0f}", "rel. L2": "{:.2e}", "KL drift": "{:.4f}"}
+    return formats.get(column, "{:.3f}").format(value)
+
+
 def write_table(results: dict, path: str) -> str:
     """The research's form: one row per model, one column per metric."""
-    k, ks = results["k"][-1], results["k"]
-    columns = ["steps", "seconds", *(f"pass@{x}" for x in ks), f"maj@{k}", "entropy", "rel. L2",
-               "s_τ " + "/".join(f"{t:g}" for t in TAUS), "KL drift"]  # fmt: skip
+    columns = table_columns(results)
     lines = ["| model | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
-    for name, row in results["models"].items():
-        training, scores, update = row.get("training", {}), row["eval"], row.get("update", {})
-        cells = [training.get("steps", ""), f"{training['seconds']:.0f}" if training else "",
-                 *(f"{scores[f'pass@{x}']:.3f}" for x in ks), f"{scores.get(f'maj@{k}', float('nan')):.3f}",
-                 f"{scores['mean_token_entropy']:.3f}", f"{update['relative_l2']:.2e}" if update else "",
-                 "/".join(f"{s:.2f}" for s in update["s_tau"].values()) if update else "",
-                 f"{update['kl_drift']:.4f}" if update else ""]  # fmt: skip
-        lines.append(f"| {name} | " + " | ".join(map(str, cells)) + " |")
+    for name in results["models"]:
+        values = table_values(results, name)
+        lines.append(f"| {name} | " + " | ".join(cell(c, values[c]) if c in values else "" for c in columns) + " |")
     if "cosine_es_grpo" in results:
         lines.append(f"\ncos(Δ_ES, Δ_GRPO) = {results['cosine_es_grpo']:.4f}")
     text = "\n".join(lines) + "\n"
@@ -203,18 +246,70 @@ def write_table(results: dict, path: str) -> str:
     return text
 
 
-def plot_rewards(records: dict, path: str) -> None:
-    """Mean training reward against wall clock per method (a continued method after its first stage's time)."""
+def write_seeds_table(by_seed: dict[int, dict], path: str) -> str:
+    """`write_table` over several seeds: each cell the mean (min–max) of the seeds' values (s_τ: the mean)."""
+    first = next(iter(by_seed.values()))
+    columns = [c for c in table_columns(first) if not c.startswith("s_τ")]
+    lines = [f"seeds {', '.join(map(str, by_seed))}: mean (min–max)\n", "| model | " + " | ".join(columns) + " |",
+             "|---|" + "---:|" * len(columns)]  # fmt: skip
+    for name in first["models"]:
+        rows = [table_values(results, name) for results in by_seed.values()]
+        cells = []
+        for column in columns:
+            values = [row[column] for row in rows if column in row]
+            mean = sum(values) / len(values) if values else None
+            cells.append(f"{cell(column, mean)} ({cell(column, min(values))}–{cell(column, max(values))})"
+                         if values else "")  # fmt: skip
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    cosines = [results["cosine_es_grpo"] for results in by_seed.values() if "cosine_es_grpo" in results]
+    if cosines:
+        lines.append(
+            f"\ncos(Δ_ES, Δ_GRPO) = {sum(cosines) / len(cosines):.4f} ({min(cosines):.4f}–{max(cosines):.4f})"
+        )
+    text = "\n".join(lines) + "\n"
+    atomic_write_text(path, text)
+    return text
+
+
+def plot_rewards(runs: list[dict], path: str) -> None:
+    """Mean training reward against wall clock per method (a continued method after its first stage's time); `runs`:
+    the training records of each seed, {method: record}, drawn in one colour per method."""
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(6, 4))
-    for color, (method, record) in enumerate(records.items(), start=1):  # C0 is the base's in the Pass@K plots
-        offset = records[record["starts_from"]]["seconds"] if record["starts_from"] != "base" else 0.0
-        if record["history"]:
-            seconds, _, rewards = zip(*record["history"], strict=True)
-            axes.plot([offset + s for s in seconds], rewards, ".-", color=f"C{color}", label=method)
+    for records in runs:
+        for color, (method, record) in enumerate(records.items(), start=1):  # C0 is the base's in the Pass@K plots
+            offset = records[record["starts_from"]]["seconds"] if record["starts_from"] != "base" else 0.0
+            if record["history"]:
+                seconds, _, rewards = zip(*record["history"], strict=True)
+                axes.plot([offset + s for s in seconds], rewards, ".-", color=f"C{color}",
+                          label=method if records is runs[0] else None)  # fmt: skip
     axes.set_xlabel("wall clock (s)")
     axes.set_ylabel("mean training reward")
     axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def plot_curves(runs: list[dict], path: str) -> None:
+    """Pass@1 and Pass@K (the largest K) of each method's `--marks` points against wall clock, from the base's score
+    at 0 (a continued method from its first stage's end); `runs`: the results of each seed, one colour per method."""
+    plt = pyplot()
+    k = runs[0]["k"]
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
+    for results in runs:
+        models = results["models"]
+        for color, (method, row) in enumerate(((m, r) for m, r in models.items() if m != "base"), start=1):
+            start = row["training"]["starts_from"]
+            offset = models[start]["training"]["seconds"] if start != "base" else 0.0
+            origin = models[start]["curve"][-1] if start != "base" else {"seconds": 0.0, **models["base"]["eval"]}
+            points = [origin | {"seconds": origin["seconds"] - offset}, *row["curve"]]
+            for axis, metric in zip(axes, (f"pass@{k[0]}", f"pass@{k[-1]}"), strict=True):
+                axis.plot([offset + p["seconds"] for p in points], [p[metric] for p in points], ".-",
+                          color=f"C{color}", label=method if results is runs[0] else None)  # fmt: skip
+                axis.set_title(f"held-out Pass@{metric.removeprefix('pass@')}")
+                axis.set_xlabel("wall clock (s)")
+    axes[0].legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -230,6 +325,8 @@ def study(options, progress=_report) -> dict:
             raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
         if "-" in method and first not in options.methods:
             raise ValueError(f"{method} continues the {first} result: list {first} among the methods too")
+    if options.marks < 1:
+        raise ValueError(f"--marks must be ≥ 1, got {options.marks}")
     if options.budget_minutes <= 0:
         raise ValueError(f"--budget-minutes must be > 0, got {options.budget_minutes}")
     from .models import resolve_model
@@ -241,7 +338,8 @@ def study(options, progress=_report) -> dict:
     os.makedirs(options.out, exist_ok=True)
     records = train_methods(options, task.load(options.train_split), progress)
     paths = {method: os.path.join(options.out, method) for method in options.methods}
-    evaluated = evaluate([options.model, *paths.values()], options.task, options.n, k_values,
+    marks = [point["path"] for method in options.methods for point in records[method]["points"][:-1]]
+    evaluated = evaluate([options.model, *paths.values(), *marks], options.task, options.n, k_values,
                          os.path.join(options.out, "eval"), limit=options.limit,
                          max_completion_length=options.max_completion_length, seed=options.seed,
                          progress=progress)  # fmt: skip
@@ -251,13 +349,16 @@ def study(options, progress=_report) -> dict:
                "evaluation": evaluated["settings"], "models": {"base": {"path": options.model,
                "eval": scores[options.model]}}}  # fmt: skip
     for method, path in paths.items():
-        results["models"][method] = {"path": path, "training": records[method], "eval": scores[path],
+        curve = [{key: point[key] for key in ("seconds", "step", "completions")} | {f"pass@{k}": scores[point["path"]][
+            f"pass@{k}"] for k in (k_values[0], k_values[-1])} for point in records[method]["points"]]  # fmt: skip
+        results["models"][method] = {"path": path, "training": records[method], "eval": scores[path], "curve": curve,
                                      "update": measures[method]}  # fmt: skip
     if "cosine_es_grpo" in measures:
         results["cosine_es_grpo"] = measures["cosine_es_grpo"]
     atomic_write_text(os.path.join(options.out, "results.json"), json.dumps(results, indent=1))
     progress(write_table(results, os.path.join(options.out, "table.md")))
-    plot_rewards(records, os.path.join(options.out, "reward_vs_time.png"))
+    plot_rewards([records], os.path.join(options.out, "reward_vs_time.png"))
+    plot_curves([results], os.path.join(options.out, "pass_vs_time.png"))
     by_name = {"task": options.task, "k": k_values, "models": {n: r["eval"] for n, r in results["models"].items()}}
     plot_pass_at_k(by_name, os.path.join(options.out, "pass_at_k.png"))
     plot_pareto(by_name, os.path.join(options.out, "pareto.png"))
@@ -281,11 +382,40 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--n", type=int, default=16, help="completions sampled per held-out problem")
     parser.add_argument("--k", default="1,2,4,8,16", help="comma-separated K values for Pass@K and Maj@K")
     parser.add_argument("--limit", type=int, default=64, help="held-out problems evaluated")
-    parser.add_argument("--seed", type=int, default=0, help="training and sampling seed")
+    parser.add_argument("--marks", type=int, default=1, help="points of each stage that are saved and evaluated: "
+                        "Pass@1 and Pass@K against time (pass_vs_time.png); 1: the end only")  # fmt: skip
+    parser.add_argument("--seeds", default="0", help="comma-separated training and sampling seeds: several give "
+                        "one study per seed (DIR/seed-<s>) and the table of their spread in DIR")  # fmt: skip
     options = parser.parse_args(argv)
     options.methods = [m for m in options.methods.split(",") if m]
     try:
         options.k = [int(k) for k in options.k.split(",") if k]
     except ValueError:
         parser.error(f"--k must be comma-separated integers, got {options.k!r}")
-    return study(options)
+    try:
+        seeds = list(dict.fromkeys(int(s) for s in options.seeds.split(",") if s))
+    except ValueError:
+        seeds = []
+    if not seeds:
+        parser.error(f"--seeds must be comma-separated integers, got {options.seeds!r}")
+    if len(seeds) == 1:
+        options.seed = seeds[0]
+        return study(options)
+    return study_seeds(options, seeds)
+
+
+def study_seeds(options, seeds: list[int], progress=_report) -> dict:
+    """`study` once per seed in OUT/seed-<s>; OUT/results.json holds them, OUT/table.md their spread and
+    OUT/reward_vs_time.png every seed's training rewards."""
+    out, by_seed = options.out, {}
+    for seed in seeds:
+        progress(f"seed {seed}")
+        run = argparse.Namespace(**{**vars(options), "seed": seed, "out": os.path.join(out, f"seed-{seed}")})
+        by_seed[seed] = study(run, progress)
+    results = {"seeds": seeds, "by_seed": {str(seed): results for seed, results in by_seed.items()}}
+    atomic_write_text(os.path.join(out, "results.json"), json.dumps(results, indent=1))
+    progress(write_seeds_table(by_seed, os.path.join(out, "table.md")))
+    runs = [{m: row["training"] for m, row in r["models"].items() if "training" in row} for r in by_seed.values()]
+    plot_rewards(runs, os.path.join(out, "reward_vs_time.png"))
+    plot_curves(list(by_seed.values()), os.path.join(out, "pass_vs_time.png"))
+    return results
