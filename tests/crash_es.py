@@ -78,7 +78,7 @@ def train(models: Path, out: Path, scenario: str, kill: str | None = None) -> tu
             if kill:
                 arm(kill)
             resume = any((out / scenario / "out").glob("checkpoint-*"))
-            extra = dict(max_steps=4, save_strategy="steps", save_steps=1, save_total_limit=1)
+            extra = dict(max_steps=3, save_strategy="steps", save_steps=1, save_total_limit=1)
             digest = regression_guard.run(scenario, models, out, resume=True if resume else None, **extra)
             (out / "hash.txt").write_text(digest)
         except BaseException:

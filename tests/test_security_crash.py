@@ -19,7 +19,7 @@ SCRIPT = Path(__file__).with_name("crash_es.py")
 KILL_POINTS = {
     "full": [
         "torn:save_file:2",  # checkpoint-2's weights cut short
-        "before:rmtree:3",  # published, while rotating the older checkpoint away
+        "before:rmtree:2",  # checkpoint-3 published, while rotating checkpoint-2 away
     ],
     "merge": ["before:json_dump:2"],  # the Hyper-ES search state not yet written (save_total_limit=1)
 }
