@@ -405,8 +405,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def study_seeds(options, seeds: list[int], progress=_report) -> dict:
-    """`study` once per seed in OUT/seed-<s>; OUT/results.json holds them, OUT/table.md their spread and
-    OUT/reward_vs_time.png every seed's training rewards."""
+    """`study` once per seed in OUT/seed-<s>; OUT/results.json holds them, OUT/table.md their spread,
+    OUT/reward_vs_time.png and OUT/pass_vs_time.png every seed's training rewards and curves."""
     out, by_seed = options.out, {}
     for seed in seeds:
         progress(f"seed {seed}")
