@@ -11,7 +11,8 @@ check) and sampled (T=1) Pass@1 and Pass@8 with 8 completions per problem (`trl-
 Methods are interleaved per seed, A B for even seed indices and B A for odd ones (A B B A …), each run in a fresh
 process, so slow drifts of the machine fall on both. `es` is the demo's setting (N=8, σ=α=5e-3, 8 prompts, greedy
 members); the other ES names are variants of it (`SETTINGS`); `grpo` is GRPOTrainer with `trl_es.study`'s settings
-(4 prompts × 4 completions, lr 1e-5). Prints, per method and mark, the mean and min–max over seeds; writes
+(4 prompts × 4 completions, lr 1e-5); `grpo-es` and `es-grpo` train one for half the budget, then the other from its
+weights (`SEQUENCES`). Prints, per method and mark, the mean and min–max over seeds; writes
 `results.json` and a plot (`--plot`, default docs/img/learning_curves.png): greedy accuracy and Pass@8 against
 seconds and against completions generated. Claim a lead only where the min–max bands stay apart.
 
@@ -40,14 +41,33 @@ SETTINGS = {
     "lowrank-n32": {"es_search_space": "lowrank", "population_size": 32, "learning_rate": 8e-3},
 }
 """ES variants (overrides of `ES`)."""
+SEQUENCES = {"grpo-es": ("grpo", "es"), "es-grpo": ("es", "grpo")}
+"""Two methods in sequence, each for half the budget (the research's GRPO → ES and ES → GRPO)."""
 
 
 def train(method: str, seed: int, minutes: float, marks: int, folder: str) -> list[dict]:
-    """One budgeted run in this process; the saved points."""
+    """One budgeted run in this process; the saved points. A sequence ("grpo-es", "es-grpo") trains its first
+    method for half the budget (half the marks) and its second from the first's end for the rest; its points count
+    seconds, steps and completions from the start of the first."""
+    if method in SEQUENCES:
+        first, second = SEQUENCES[method]
+        points = stage(first, seed, minutes / 2, marks // 2, os.path.join(folder, f"1-{first}"))
+        start = points[-1]
+        later = stage(
+            second, seed, minutes / 2, marks - marks // 2, os.path.join(folder, f"2-{second}"), start["path"]
+        )
+        offset = {key: start[key] for key in ("seconds", "step", "completions")}
+        return points + [point | {key: point[key] + offset[key] for key in offset} for point in later]
+    return stage(method, seed, minutes, marks, folder)
+
+
+def stage(method: str, seed: int, minutes: float, marks: int, folder: str, model: str | None = None) -> list[dict]:
+    """`method` trained from `model` (default SmolLM2-135M-Instruct) for `minutes`; its `marks` saved points."""
     from trl_es.models import smollm2_dir
     from trl_es.study import GRPO_SETTINGS, Budget
     from trl_es.tasks import first_integer_reward, small_sums
 
+    model = model or smollm2_dir()
     common = dict(output_dir=os.path.join(folder, "run"), max_steps=100_000, max_completion_length=12, seed=seed,
                   save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1)  # fmt: skip
     budget = Budget(minutes * 60, marks, folder)
@@ -56,7 +76,7 @@ def train(method: str, seed: int, minutes: float, marks: int, folder: str) -> li
 
         args = GRPOConfig(**common, **GRPO_SETTINGS)
         per_step = args.per_device_train_batch_size  # completions per step
-        trainer = GRPOTrainer(smollm2_dir(), first_integer_reward, args=args, train_dataset=small_sums("train"),
+        trainer = GRPOTrainer(model, first_integer_reward, args=args, train_dataset=small_sums("train"),
                               callbacks=[budget])  # fmt: skip
     else:
         from trl_es import ESConfig, ESTrainer
@@ -64,7 +84,7 @@ def train(method: str, seed: int, minutes: float, marks: int, folder: str) -> li
         settings = {"generation_kwargs": {"do_sample": False}, **ES, **SETTINGS[method]}
         args = ESConfig(**common, **settings)
         per_step = args.population_size * args.per_device_train_batch_size * args.num_generations
-        trainer = ESTrainer(smollm2_dir(), first_integer_reward, args=args, train_dataset=small_sums("train"),
+        trainer = ESTrainer(model, first_integer_reward, args=args, train_dataset=small_sums("train"),
                             callbacks=[budget])  # fmt: skip
     budget.tokenizer = trainer.processing_class
     trainer.train()
@@ -122,7 +142,9 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0, help="training budget per run")
     parser.add_argument("--marks", type=int, default=5, help="points of each run that are saved and scored")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--methods", default="grpo,es", help=f"two or more of grpo, {', '.join(SETTINGS)}")
+    parser.add_argument(
+        "--methods", default="grpo,es", help=f"two or more of grpo, {', '.join([*SETTINGS, *SEQUENCES])}"
+    )
     parser.add_argument("--out", default="outputs/learning")
     parser.add_argument("--plot", default="docs/img/learning_curves.png")
     parser.add_argument("--report", nargs="+", metavar="RESULTS", help="only print the table and plot of "
@@ -139,7 +161,7 @@ def main() -> None:
         print("RESULT " + json.dumps(points))
         return
     methods, seeds = options.methods.split(","), [int(s) for s in options.seeds.split(",")]
-    unknown = [m for m in methods if m != "grpo" and m not in SETTINGS]
+    unknown = [m for m in methods if m != "grpo" and m not in SETTINGS and m not in SEQUENCES]
     if unknown:
         parser.error(f"unknown methods {unknown}")
     results = []

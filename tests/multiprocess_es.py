@@ -1,5 +1,5 @@
-"""A user script calling ESTrainer, launched by the multi-process tests with `accelerate launch` (and by plain
-`python` for the 1-process reference).
+"""A user script calling ESTrainer, launched by the multi-process tests with `accelerate launch` (`main` is called
+in the test process for the 1-process reference).
 
     [ES_TEST_FAULT=raise|hang|kill] python multiprocess_es.py MODEL_DIR OUT_DIR '{"max_steps": 3, ...}'
 
@@ -46,8 +46,7 @@ class StepStartWeights(TrainerCallback):
         self.weights = {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def main():
-    model_dir, out_dir, overrides = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+def main(model_dir: str, out_dir: str, overrides: dict) -> dict:
     prompts = [f"Count to {n}:" for n in range(1, 9)]
     dataset = Dataset.from_dict({"prompt": prompts})
     values = dict(
@@ -106,13 +105,13 @@ def main():
         torch.save({n: p.detach().clone() for n, p in params.items()}, f"{out_dir}/weights-rank{rank}.pt")
     with open(f"{out_dir}/result-rank{rank}.json", "w") as f:
         json.dump(result, f)
-    if "error" in result:
+    return result
+
+
+if __name__ == "__main__":
+    if "error" in main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3])):
         # Leave without the interpreter's teardown: after a peer hung, torch.distributed's shutdown waits ~3 min for
         # it (measured), which says nothing about ES. The error and the weights are already written.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(3)
-
-
-if __name__ == "__main__":
-    main()

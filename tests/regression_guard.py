@@ -26,6 +26,7 @@ import torch  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from helpers import build_tiny_model, es_config  # noqa: E402
+from test_search_space_registry import NormsOnlySpace  # noqa: E402  (registered on import)
 
 
 MODEL = dict(hidden_size=64, intermediate_size=128, initializer_range=0.3, max_position_embeddings=128)
@@ -52,6 +53,7 @@ SCENARIOS = {
         "sampled": True,
         "lowrank_members_per_call": 2,
     },
+    "registered_space": {"es_search_space": NormsOnlySpace.name},  # a space defined outside trl-es
     "agents": {},  # tests/test_agents.py's dice game: tool calls, an environment per episode, its reward
 }
 SAME = [("full", "resume"), ("lowrank_sampled", "lowrank_sampled_per_call_2")]
