@@ -95,14 +95,15 @@ def stage(method: str, seed: int, minutes: float, marks: int, folder: str, model
     return [point | {"completions": point["step"] * per_step} for point in points]
 
 
-def score(points: list[dict], folder: str) -> list[dict]:
+def score(points: list[dict]) -> list[dict]:
     """Greedy held-out accuracy and sampled Pass@1 / Pass@8 of each saved point (then its weights are removed)."""
     from trl_es.evaluation import evaluate
 
     for point in points:
-        greedy = evaluate([point["path"]], "small_sums", n=1, k=[1], out_dir=os.path.join(folder, "greedy"),
+        stage = os.path.dirname(point["path"])  # a sequence's stages each have a mark-1: records kept apart
+        greedy = evaluate([point["path"]], "small_sums", n=1, k=[1], out_dir=os.path.join(stage, "greedy"),
                           greedy=True, batch_size=64, progress=lambda message: None)  # fmt: skip
-        sampled = evaluate([point["path"]], "small_sums", n=8, k=[1, 8], out_dir=os.path.join(folder, "sampled"),
+        sampled = evaluate([point["path"]], "small_sums", n=8, k=[1, 8], out_dir=os.path.join(stage, "sampled"),
                            progress=lambda message: None)  # fmt: skip
         (g,), (s,) = greedy["models"].values(), sampled["models"].values()
         point.update(greedy=g["pass@1"], **{"pass@1": s["pass@1"], "pass@8": s["pass@8"]})
@@ -157,7 +158,7 @@ def main() -> None:
     if options.one:
         method, seed = options.one
         folder = os.path.join(options.out, f"{method}-{seed}")
-        points = score(train(method, int(seed), options.minutes, options.marks, folder), folder)
+        points = score(train(method, int(seed), options.minutes, options.marks, folder))
         print("RESULT " + json.dumps(points))
         return
     methods, seeds = options.methods.split(","), [int(s) for s in options.seeds.split(",")]
