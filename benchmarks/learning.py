@@ -100,10 +100,10 @@ def score(points: list[dict]) -> list[dict]:
     from trl_es.evaluation import evaluate
 
     for point in points:
-        stage = os.path.dirname(point["path"])  # a sequence's stages each have a mark-1: records kept apart
-        greedy = evaluate([point["path"]], "small_sums", n=1, k=[1], out_dir=os.path.join(stage, "greedy"),
+        stage_dir = os.path.dirname(point["path"])  # a sequence's stages each have a mark-1: records kept apart
+        greedy = evaluate([point["path"]], "small_sums", n=1, k=[1], out_dir=os.path.join(stage_dir, "greedy"),
                           greedy=True, batch_size=64, progress=lambda message: None)  # fmt: skip
-        sampled = evaluate([point["path"]], "small_sums", n=8, k=[1, 8], out_dir=os.path.join(stage, "sampled"),
+        sampled = evaluate([point["path"]], "small_sums", n=8, k=[1, 8], out_dir=os.path.join(stage_dir, "sampled"),
                            progress=lambda message: None)  # fmt: skip
         (g,), (s,) = greedy["models"].values(), sampled["models"].values()
         point.update(greedy=g["pass@1"], **{"pass@1": s["pass@1"], "pass@8": s["pass@8"]})
@@ -144,7 +144,7 @@ def main() -> None:
     parser.add_argument("--marks", type=int, default=5, help="points of each run that are saved and scored")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument(
-        "--methods", default="grpo,es", help=f"two or more of grpo, {', '.join([*SETTINGS, *SEQUENCES])}"
+        "--methods", default="grpo,es", help=f"comma-separated, of grpo, {', '.join([*SETTINGS, *SEQUENCES])}"
     )
     parser.add_argument("--out", default="outputs/learning")
     parser.add_argument("--plot", default="docs/img/learning_curves.png")
