@@ -35,12 +35,14 @@ ES = {"population_size": 8, "sigma": 5e-3, "learning_rate": 5e-3, "per_device_tr
 """The demo's ES settings, which every ES variant overrides."""
 SETTINGS = {
     "es": {},
-    "antithetic": {"antithetic": True},
+    "antithetic-ranks": {"antithetic": True, "fitness_shaping": "centered_rank"},
+    "alpha-cosine": {"learning_rate": 1e-2, "lr_scheduler_type": "cosine", "max_steps": 36},
     "fewer-prompts": {"per_device_train_batch_size": 4},
     "sampled": {"generation_kwargs": {"do_sample": True}},
     "lowrank-n32": {"es_search_space": "lowrank", "population_size": 32, "learning_rate": 8e-3},
 }
-"""ES variants (overrides of `ES`)."""
+"""ES variants (overrides of `ES`). `alpha-cosine` anneals α from 2× the demo's to 0 over 36 steps, the steps the
+demo's ES reaches in 10 minutes here (a budget that ends first stops it earlier on the schedule)."""
 SEQUENCES = {"grpo-es": ("grpo", "es"), "es-grpo": ("es", "grpo")}
 """Two methods in sequence, each for half the budget (the research's GRPO → ES and ES → GRPO)."""
 
@@ -81,8 +83,7 @@ def stage(method: str, seed: int, minutes: float, marks: int, folder: str, model
     else:
         from trl_es import ESConfig, ESTrainer
 
-        settings = {"generation_kwargs": {"do_sample": False}, **ES, **SETTINGS[method]}
-        args = ESConfig(**common, **settings)
+        args = ESConfig(**{**common, "generation_kwargs": {"do_sample": False}, **ES, **SETTINGS[method]})
         per_step = args.population_size * args.per_device_train_batch_size * args.num_generations
         trainer = ESTrainer(model, first_integer_reward, args=args, train_dataset=small_sums("train"),
                             callbacks=[budget])  # fmt: skip
