@@ -18,7 +18,8 @@ seconds and against completions generated. Claim a lead only where the min–max
 
 Cost on 2 CPU cores: scoring a point takes ~3 minutes (64 greedy and 512 sampled completions), so a run of
 10 minutes × 4 points takes ~23 minutes, and the default (2 methods × 3 seeds × 5 points) about 2.8 hours.
-`--report RESULTS...` prints the table and plot of earlier results.json files, pooled (e.g. seeds run apart).
+`--report RESULTS...` prints the table and plot of earlier results.json files, pooled (e.g. seeds run apart);
+`--methods` then keeps only those methods.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def plot(results: list[dict], path: str) -> None:
                 xs = [sum(points[k][x_name] for points in runs) / len(runs) for k in range(n)]
                 values = [[points[k][metric] for points in runs] for k in range(n)]
                 mean = [sum(v) / len(v) for v in values]
-                line = axes[row][col].plot(xs, mean, marker="o", label=method)[0]
+                line = axes[row][col].plot(xs, mean, marker="o", label=f"{method} ({len(runs)} seeds)")[0]
                 axes[row][col].fill_between(xs, [min(v) for v in values], [max(v) for v in values],
                                             color=line.get_color(), alpha=0.2)  # fmt: skip
                 axes[row][col].set_xlabel("wall-clock seconds" if x_name == "seconds" else "completions generated")
@@ -145,7 +146,8 @@ def main() -> None:
     parser.add_argument("--marks", type=int, default=5, help="points of each run that are saved and scored")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument(
-        "--methods", default="grpo,es", help=f"comma-separated, of grpo, {', '.join([*SETTINGS, *SEQUENCES])}"
+        "--methods", help=f"comma-separated, of grpo, {', '.join([*SETTINGS, *SEQUENCES])} (default grpo,es; with "
+        "--report: only these methods of the files)"
     )
     parser.add_argument("--out", default="outputs/learning")
     parser.add_argument("--plot", default="docs/img/learning_curves.png")
@@ -155,14 +157,15 @@ def main() -> None:
     options = parser.parse_args()
     if options.report:
         results = [run for path in options.report for run in json.load(open(path))["results"]]
-        return report(results, list(dict.fromkeys(r["method"] for r in results)), options.plot)
+        methods = options.methods.split(",") if options.methods else list(dict.fromkeys(r["method"] for r in results))
+        return report([r for r in results if r["method"] in methods], methods, options.plot)
     if options.one:
         method, seed = options.one
         folder = os.path.join(options.out, f"{method}-{seed}")
         points = score(train(method, int(seed), options.minutes, options.marks, folder))
         print("RESULT " + json.dumps(points))
         return
-    methods, seeds = options.methods.split(","), [int(s) for s in options.seeds.split(",")]
+    methods, seeds = (options.methods or "grpo,es").split(","), [int(s) for s in options.seeds.split(",")]
     unknown = [m for m in methods if m != "grpo" and m not in SETTINGS and m not in SEQUENCES]
     if unknown:
         parser.error(f"unknown methods {unknown}")
