@@ -146,8 +146,9 @@ def main() -> None:
     parser.add_argument("--marks", type=int, default=5, help="points of each run that are saved and scored")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument(
-        "--methods", help=f"comma-separated, of grpo, {', '.join([*SETTINGS, *SEQUENCES])} (default grpo,es; with "
-        "--report: only these methods of the files)"
+        "--methods",
+        help=f"comma-separated, of grpo, {', '.join([*SETTINGS, *SEQUENCES])} (default grpo,es; with "
+        "--report: only these methods of the files)",
     )
     parser.add_argument("--out", default="outputs/learning")
     parser.add_argument("--plot", default="docs/img/learning_curves.png")
