@@ -159,6 +159,9 @@ def main() -> None:
     if options.report:
         results = [run for path in options.report for run in json.load(open(path))["results"]]
         methods = options.methods.split(",") if options.methods else list(dict.fromkeys(r["method"] for r in results))
+        missing = [m for m in methods if all(r["method"] != m for r in results)]
+        if missing:
+            parser.error(f"no runs of {missing} in {options.report}")
         return report([r for r in results if r["method"] in methods], methods, options.plot)
     if options.one:
         method, seed = options.one
