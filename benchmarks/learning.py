@@ -37,12 +37,14 @@ ES = {"population_size": 8, "sigma": 5e-3, "learning_rate": 5e-3, "per_device_tr
 SETTINGS = {
     "es": {},
     "antithetic-ranks": {"antithetic": True, "fitness_shaping": "centered_rank"},
+    "antithetic-ranks-scaled": {"antithetic": True, "fitness_shaping": "centered_rank", "learning_rate": 1.5e-2},
     "alpha-cosine": {"learning_rate": 1e-2, "lr_scheduler_type": "cosine", "max_steps": 36},
     "fewer-prompts": {"per_device_train_batch_size": 4},
     "sampled": {"generation_kwargs": {"do_sample": True}},
     "lowrank-n32": {"es_search_space": "lowrank", "population_size": 32, "learning_rate": 8e-3},
 }
-"""ES variants (overrides of `ES`). `alpha-cosine` anneals α from 2× the demo's to 0 over 36 steps, the steps the
+"""ES variants (overrides of `ES`). `antithetic-ranks-scaled` triples α: 8 centered ranks have std 0.33 where
+z-scores have 1, so this makes the demo's step size with rank shaping. `alpha-cosine` anneals α from 2× the demo's to 0 over 36 steps, the steps the
 demo's ES reaches in 10 minutes here (a budget that ends first stops it earlier on the schedule)."""
 SEQUENCES = {"grpo-es": ("grpo", "es"), "es-grpo": ("es", "grpo")}
 """Two methods in sequence, each for half the budget (the research's GRPO → ES and ES → GRPO)."""
