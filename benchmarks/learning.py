@@ -44,8 +44,9 @@ SETTINGS = {
     "lowrank-n32": {"es_search_space": "lowrank", "population_size": 32, "learning_rate": 8e-3},
 }
 """ES variants (overrides of `ES`). `antithetic-ranks-scaled` triples α: 8 centered ranks have std 0.33 where
-z-scores have 1, so this makes the demo's step size with rank shaping. `alpha-cosine` anneals α from 2× the demo's to 0 over 36 steps, the steps the
-demo's ES reaches in 10 minutes here (a budget that ends first stops it earlier on the schedule)."""
+z-scores have 1, so it takes the demo's step size with rank shaping. `alpha-cosine` anneals α from 2× the demo's to
+0 over 36 steps, the steps the demo's ES reached in 10 minutes on a fast day (a budget that ends first stops it
+earlier on the schedule)."""
 SEQUENCES = {"grpo-es": ("grpo", "es"), "es-grpo": ("es", "grpo")}
 """Two methods in sequence, each for half the budget (the research's GRPO → ES and ES → GRPO)."""
 
