@@ -45,7 +45,7 @@ SETTINGS = {
 }
 """ES variants (overrides of `ES`). `antithetic-ranks-scaled` triples α: 8 centered ranks have std 0.33 where
 z-scores have 1, so it takes the demo's step size with rank shaping. `alpha-cosine` anneals α from 2× the demo's to
-0 over 36 steps, the steps the demo's ES reached in 10 minutes on a fast day (a budget that ends first stops it
+0 over 36 steps, the steps the demo's ES reached in 10 minutes in a fast run (a budget that ends first stops it
 earlier on the schedule)."""
 SEQUENCES = {"grpo-es": ("grpo", "es"), "es-grpo": ("es", "grpo")}
 """Two methods in sequence, each for half the budget (the research's GRPO → ES and ES → GRPO)."""
