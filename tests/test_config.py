@@ -13,6 +13,11 @@ from trl_es import ESConfig
         ("sigma", 0.0),
         ("sigma", -1e-3),
         ("sigma", float("nan")),
+        ("sigma_decay", 0.0),
+        ("sigma_decay", 1.5),
+        ("sigma_decay", float("nan")),
+        ("sigma_limit", -1e-4),
+        ("sigma_limit", 1.0),
         ("population_size", 1),
         ("learning_rate", -1.0),
         ("fitness_shaping", "softmax"),
@@ -35,6 +40,12 @@ def test_antithetic_needs_an_even_population(tmp_path):
     with pytest.raises(ValueError, match="ESConfig.population_size=5.*even"):
         ESConfig(str(tmp_path), population_size=5, antithetic=True)
     assert ESConfig(str(tmp_path), population_size=6, antithetic=True).antithetic
+
+
+def test_sigma_schedule_decays_to_its_floor(tmp_path):
+    args = ESConfig(str(tmp_path), sigma=0.02, sigma_decay=0.5, sigma_limit=0.004)
+    assert [args.sigma_at(t) for t in range(4)] == [0.02, 0.01, 0.005, 0.004]
+    assert ESConfig(str(tmp_path), sigma=0.02).sigma_at(100) == 0.02  # sigma_decay=1: constant
 
 
 def test_gradient_only_fields_warn_and_are_ignored(tmp_path):

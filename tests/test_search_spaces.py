@@ -251,6 +251,8 @@ def test_hyper_es_bad_input(tmp_path, tiny_model_dir, prompt_dataset):
 
     with pytest.raises(ValueError, match="merge_models=None is invalid"):
         config(tmp_path, es_search_space="merge")
+    with pytest.raises(ValueError, match="sigma_decay=0.9 is invalid: Hyper-ES's CMA-ES adapts its own step size"):
+        config(tmp_path, es_search_space="merge", merge_models=[tiny_model_dir], sigma_decay=0.9)
     wider = AutoConfig.from_pretrained(tiny_model_dir)
     wider.intermediate_size = 48  # the same architecture with wider MLPs: task vectors cannot be formed
     LlamaForCausalLM(wider).save_pretrained(tmp_path / "wider")

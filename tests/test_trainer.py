@@ -93,6 +93,32 @@ def test_resume_from_checkpoint_gives_the_uninterrupted_weights(tmp_path, tiny_m
     assert_same_weights(resumed.model, weights(full.model))
 
 
+def test_sigma_schedule_gives_each_step_its_sigma(tmp_path, tiny_model_dir, prompt_dataset):
+    """Step t's members evaluate θ + σ_t·ε: a run with sigma_decay=0.5 equals one step at σ and, resumed, one at σ/2."""
+    decayed = ESTrainer(
+        tiny_model_dir,
+        even_token_share,
+        args=config(tmp_path / "decayed", sigma_decay=0.5),
+        train_dataset=prompt_dataset,
+    )
+    decayed.train()
+    assert [log["es/sigma"] for log in decayed.state.log_history if "es/sigma" in log] == [0.02, 0.01]
+    constant = ESTrainer(
+        tiny_model_dir,
+        even_token_share,
+        args=config(tmp_path / "constant", save_strategy="steps", save_steps=1),
+        train_dataset=prompt_dataset,
+    )
+    constant.train()  # both steps at σ = 0.02; writes checkpoint-1
+    final = weights(decayed.model)
+    assert any(not torch.equal(p, final[n]) for n, p in constant.model.named_parameters())  # σ_1 changes the run
+    halved = ESTrainer(
+        tiny_model_dir, even_token_share, args=config(tmp_path / "constant", sigma=0.01), train_dataset=prompt_dataset
+    )
+    halved.train(resume_from_checkpoint=str(tmp_path / "constant" / "out" / "checkpoint-1"))
+    assert_same_weights(halved.model, final)
+
+
 class Boom(Exception):
     pass
 

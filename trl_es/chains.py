@@ -70,8 +70,8 @@ class StepRecord(TypedDict):
     update: dict | None
 
 
-CHAIN_SETTINGS = ("population_size", "sigma", "learning_rate", "lr_scheduler_type", "weight_decay", "antithetic",
-                  "fitness_shaping", "es_baseline", "es_search_space", "num_generations",
+CHAIN_SETTINGS = ("population_size", "sigma", "sigma_decay", "sigma_limit", "learning_rate", "lr_scheduler_type",
+                  "weight_decay", "antithetic", "fitness_shaping", "es_baseline", "es_search_space", "num_generations",
                   "per_device_train_batch_size")  # fmt: skip
 """The ESConfig fields a chain records for the reader (replay needs only the updates)."""
 

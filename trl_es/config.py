@@ -27,8 +27,8 @@ AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 PARAMETER_GROUPS = {
     "Parameters that control the ES step": (
-        "population_size", "sigma", "learning_rate", "es_optimizer", "antithetic", "fitness_shaping", "es_baseline",
-        "common_generation_seed", "noise_table_size",
+        "population_size", "sigma", "sigma_decay", "sigma_limit", "learning_rate", "es_optimizer", "antithetic",
+        "fitness_shaping", "es_baseline", "common_generation_seed", "noise_table_size",
     ),
     "Parameters that control what a member perturbs (the search space)": (
         "es_parameter_patterns", "es_adapter_only", "es_search_space", "copes_groups", "copes_partition",
@@ -98,6 +98,14 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         default=1e-3,
         metadata={"help": "Noise scale σ: member i evaluates θ + σ·ε_i."},
     )
+    sigma_decay: float = field(
+        default=1.0,
+        metadata={
+            "help": "Schedule of σ (as evosax's OpenES): the members of step t evaluate θ + σ_t·ε_i with σ_t = "
+            "max(σ·sigma_decay^t, sigma_limit). 1.0: σ stays constant."
+        },
+    )
+    sigma_limit: float = field(default=0.0, metadata={"help": "The floor σ_t does not decay below (`sigma_decay`)."})
     learning_rate: float = field(
         default=5e-4,
         metadata={"help": "Step size α of the ES update θ ← θ + α·(1/N)·Σ z_i ε_i (α absorbs the 1/σ)."},
@@ -447,6 +455,10 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         }
         return cls(**{**values, **changes})
 
+    def sigma_at(self, step: int) -> float:
+        """σ_t = max(σ·sigma_decay^t, sigma_limit): the noise scale of step `step`'s members (0-based)."""
+        return max(self.sigma * self.sigma_decay**step, self.sigma_limit)
+
     def _refuse(self, name: str, why: str):
         raise ValueError(f"ESConfig.{name}={getattr(self, name)!r} is invalid: {why}")
 
@@ -458,6 +470,10 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             refuse("population_size", "antithetic sampling pairs members (+ε, −ε), so it must be even")
         if not (isinstance(self.sigma, (int, float)) and math.isfinite(self.sigma) and self.sigma > 0):
             refuse("sigma", "the noise scale must be a finite number > 0")
+        if not (isinstance(self.sigma_decay, (int, float)) and 0 < self.sigma_decay <= 1):
+            refuse("sigma_decay", "σ_t = max(σ·sigma_decay^t, sigma_limit) needs 0 < sigma_decay ≤ 1")
+        if not (isinstance(self.sigma_limit, (int, float)) and 0 <= self.sigma_limit <= self.sigma):
+            refuse("sigma_limit", f"the floor of the σ schedule must lie in [0, sigma={self.sigma}]")
         if not (math.isfinite(self.learning_rate) and self.learning_rate >= 0):
             refuse("learning_rate", "the ES step size must be a finite number ≥ 0")
         if self.fitness_shaping not in SHAPINGS:

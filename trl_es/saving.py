@@ -40,8 +40,9 @@ STAGING = ".staging"
 
 
 MODEL_CARD_FIELDS = (
-    "es_search_space", "population_size", "sigma", "learning_rate", "antithetic", "fitness_shaping", "es_baseline",
-    "common_generation_seed", "es_parameter_patterns", "weight_decay", "num_generations", "seed",
+    "es_search_space", "population_size", "sigma", "sigma_decay", "sigma_limit", "learning_rate", "antithetic",
+    "fitness_shaping", "es_baseline", "common_generation_seed", "es_parameter_patterns", "weight_decay",
+    "num_generations", "seed",
 )  # fmt: skip
 """The ESConfig fields the model card lists."""
 

@@ -345,6 +345,9 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
                 )
             if self._distance is None:
                 self._distance = DistanceFromStart(self.es_params)
+            sigma = args.sigma_at(step)
+            if args.sigma_decay != 1:  # σ_t for this step's members (the merge space, which has no σ, refuses this)
+                self.space.sigma = sigma
             members = self.space.ask(step)
             slots = [None] * (args.es_baseline == "center") + members  # the centre θ first, then the members
             timer = time.perf_counter()
@@ -376,6 +379,7 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
                 self.weights.restore()
                 raise
             times["step"] = time.perf_counter() - step_start
+            outcome["es/sigma"] = sigma
             self._log_step(summaries[len(slots) - len(members) :], len(rows), center, outcome, times)
             self.processes.write_shards(self.es_params.values())
 
@@ -493,7 +497,7 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         tokens = members[:, layout.length("prompt_tokens")].sum() + members[:, layout.length("sum")].sum()
         self.state.num_input_tokens_seen += int(tokens)
         step |= {"num_tokens": self.state.num_input_tokens_seen, "step_time": times["step"]}
-        step |= {"es/sigma": args.sigma, **outcome, "es/rel_distance_from_start": self._distance()}
+        step |= {**outcome, "es/rel_distance_from_start": self._distance()}
         step |= {f"es/time/{name}": times[name] for name in ("generate", "reward", "noise", "update", "communication")}
         for name, value in step.items():
             metrics[name].append(value)

@@ -272,6 +272,8 @@ class MergeSpace(SearchSpace):
             refuse("merge_sigma", "CMA-ES needs a step size > 0")
         if args.es_optimizer:
             refuse("es_optimizer", "Hyper-ES moves θ by CMA-ES, not by a gradient estimate")
+        if args.sigma_decay != 1:
+            refuse("sigma_decay", "Hyper-ES's CMA-ES adapts its own step size (from merge_sigma)")
         if args.use_vllm:
             refuse("es_search_space", "a merge is written into the trainer's tensors, which vLLM does not read: "
                    "use 'full' or 'copes' with use_vllm, or use_vllm=False")  # fmt: skip
