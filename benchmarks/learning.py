@@ -39,6 +39,7 @@ SETTINGS = {
     "antithetic-ranks": {"antithetic": True, "fitness_shaping": "centered_rank"},
     "antithetic-ranks-scaled": {"antithetic": True, "fitness_shaping": "centered_rank", "learning_rate": 1.5e-2},
     "alpha-cosine": {"learning_rate": 1e-2, "lr_scheduler_type": "cosine", "max_steps": 36},
+    "sigma-decay": {"sigma": 1e-2, "sigma_decay": 0.95},
     "fewer-prompts": {"per_device_train_batch_size": 4},
     "more-members": {"population_size": 16, "per_device_train_batch_size": 4, "learning_rate": 7e-3},
     "sampled": {"generation_kwargs": {"do_sample": True}},
@@ -53,10 +54,11 @@ SETTINGS = {
 """ES variants (overrides of `ES`). `antithetic-ranks-scaled` triples α: 8 centered ranks have std 0.33 where
 z-scores have 1, so it takes the demo's step size with rank shaping. `alpha-cosine` anneals α from 2× the demo's to
 0 over 36 steps, the steps the demo's ES reached in 10 minutes in a fast run (a budget that ends first stops it
-earlier on the schedule). `more-members` spends the demo's 64 completions per step on 16 members × 4 prompts instead
-of 8 × 8, with α × √2 to keep the step's norm ((1/N)·Σ z_i ε_i shrinks as 1/√N). `sampled-groups` scores each member
-on 4 completions of each of 4 prompts sampled at T=0.7: a member's score averages 16 sampled completions, where
-`sampled` has 8 at T=1."""
+earlier on the schedule). `sigma-decay` starts σ at 2× the demo's and multiplies it by 0.95 each step: the demo's σ
+at step 14, 0.4× it at step 32. `more-members` spends the demo's 64 completions per step on 16 members × 4 prompts
+instead of 8 × 8, with α × √2 to keep the step's norm ((1/N)·Σ z_i ε_i shrinks as 1/√N). `sampled-groups` scores
+each member on 4 completions of each of 4 prompts sampled at T=0.7: a member's score averages 16 sampled
+completions, where `sampled` has 8 at T=1."""
 SEQUENCES = {"grpo-es": ("grpo", "es"), "es-grpo": ("es", "grpo")}
 """Two methods in sequence, each for half the budget (the research's GRPO → ES and ES → GRPO)."""
 
