@@ -72,7 +72,7 @@ SETTINGS = {
 
 
 @pytest.mark.parametrize(
-    "setting", [s if s in ("full", "lowrank") else pytest.param(s, marks=pytest.mark.slow) for s in SETTINGS]
+    "setting", [s if s == "lowrank" else pytest.param(s, marks=pytest.mark.slow) for s in SETTINGS]
 )  # the other settings in the full suite
 def test_replay_rebuilds_the_trained_weights_bitwise(tmp_path, tiny_model_dir, setting):
     trainer = train(tmp_path, tiny_model_dir, **SETTINGS[setting])

@@ -57,7 +57,7 @@ def test_sgd_on_the_gradient_estimate_is_the_plain_update(tmp_path, tiny_model_d
 
 
 @pytest.mark.parametrize(
-    "settings", [ADAMW, pytest.param(SGD_MOMENTUM, marks=pytest.mark.slow)], ids=["adamw", "sgd-momentum"]
+    "settings", [pytest.param(s, marks=pytest.mark.slow) for s in (ADAMW, SGD_MOMENTUM)], ids=["adamw", "sgd-momentum"]
 )
 def test_resume_is_bitwise_with_the_optimizer_state_in_checkpoints(tmp_path, tiny_model_dir, settings):
     full = train(tmp_path / "run", tiny_model_dir, save_strategy="steps", save_steps=1, **settings)
@@ -69,6 +69,7 @@ def test_resume_is_bitwise_with_the_optimizer_state_in_checkpoints(tmp_path, tin
     assert all(torch.equal(a, b) for a, b in zip(optimizer_state(resumed), optimizer_state(full), strict=True))
 
 
+@pytest.mark.slow
 def test_a_failed_step_leaves_weights_and_optimizer_state_bitwise(tmp_path, tiny_model_dir):
     calls = []
 

@@ -97,6 +97,7 @@ def test_bad_search_space_settings(tmp_path):
         config(tmp_path, es_search_space="copes", copes_partition="heads")
 
 
+@pytest.mark.slow
 def test_peft_config_trains_a_new_lora_adapter_only(tmp_path, tiny_model_dir, prompt_dataset):
     from peft import LoraConfig, PeftModel
     from transformers import AutoModelForCausalLM

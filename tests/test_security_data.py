@@ -64,6 +64,7 @@ def test_an_empty_iterable_dataset_is_an_error(tmp_path, tiny_model_dir):
         trainer.train()
 
 
+@pytest.mark.slow
 def test_prompts_beyond_the_context_warn_once(tmp_path, tiny_model_dir):
     long_prompt = "count " * 300  # the tiny model's context is 256 positions
     dataset = Dataset.from_dict({"prompt": [long_prompt] * 8})

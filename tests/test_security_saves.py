@@ -21,7 +21,7 @@ def listing(folder):
     return {name: os.path.getsize(os.path.join(folder, name)) for name in sorted(os.listdir(folder))}
 
 
-@pytest.mark.parametrize("error", [KeyboardInterrupt, OSError])
+@pytest.mark.parametrize("error", [KeyboardInterrupt, pytest.param(OSError, marks=pytest.mark.slow)])
 def test_an_interrupted_save_model_leaves_the_directory_as_it_was(
     tmp_path, tiny_model_dir, prompt_dataset, monkeypatch, error
 ):

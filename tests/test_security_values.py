@@ -56,7 +56,7 @@ def test_a_weighted_sum_beyond_float32_is_refused(tmp_path, tiny_model_dir, prom
     assert_same_weights(trainer.model, before)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.float16])
 def test_an_update_that_would_overflow_is_refused_and_the_weights_stay(
     tmp_path, tiny_model_dir, prompt_dataset, dtype
 ):

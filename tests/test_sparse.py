@@ -185,6 +185,7 @@ def test_trainer_writes_the_sparse_delta_and_its_statistics_at_save(tmp_path, ti
         es_config(tmp_path, sparse_delta_tau=-1.0)
 
 
+@pytest.mark.slow
 def test_sparsity_sweep_scores_thresholded_models_and_plots(tmp_path, tiny_model_dir, monkeypatch):
     import json
 

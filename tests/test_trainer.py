@@ -123,7 +123,7 @@ class Boom(Exception):
     pass
 
 
-@pytest.mark.parametrize("error", [Boom, KeyboardInterrupt])
+@pytest.mark.parametrize("error", [Boom, pytest.param(KeyboardInterrupt, marks=pytest.mark.slow)])
 def test_failing_reward_mid_population_restores_weights_bitwise(tmp_path, tiny_model_dir, prompt_dataset, error):
     calls = []
 
@@ -266,6 +266,7 @@ def test_antithetic_centered_rank_and_center_baseline_run(tmp_path, tiny_model_d
     assert logs[-1]["es/update_norm"] > 0
 
 
+@pytest.mark.slow
 def test_model_forms_model_init_kwargs_and_pad_token_fallback(tmp_path, tiny_model_dir, prompt_dataset):
     from transformers import AutoTokenizer
 

@@ -90,6 +90,7 @@ def test_bad_evaluation_settings_are_refused(tmp_path, tiny_model_dir, sums):
         )
 
 
+@pytest.mark.slow
 def test_every_step_reaches_the_logs_with_logging_steps_above_one(tmp_path, tiny_model_dir, prompt_dataset):
     """logging_steps=2, max_steps=3: steps 1-2 are averaged into one record, step 3's metrics reach the final record
     (GRPO's behaviour: folded into the summary with train_runtime, even when a checkpoint is saved at that step);

@@ -79,7 +79,7 @@ def recording_reward(calls):
     return reward_contains_answer
 
 
-@pytest.mark.parametrize("conversational", [False, True])
+@pytest.mark.parametrize("conversational", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_grpo_reward_function_runs_unchanged_with_the_same_arguments(tmp_path, tiny_model_dir, conversational):
     questions = ["One plus one?", "Two plus two?"]
     prompts = [[{"role": "user", "content": q}] for q in questions] if conversational else questions

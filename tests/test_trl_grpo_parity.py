@@ -138,7 +138,9 @@ def test_train(models, tmp_path, model):
     train_and_check(trainer)
 
 
-@pytest.mark.parametrize("config", ["standard_prompt_only", "conversational_prompt_only"])
+@pytest.mark.parametrize(
+    "config", ["standard_prompt_only", pytest.param("conversational_prompt_only", marks=pytest.mark.slow)]
+)
 def test_train_dataset_format(models, tmp_path, config):
     trainer = ESTrainer(models["qwen2"], models["qwen2_rm"], args=std(tmp_path), train_dataset=zen(config))
     train_and_check(trainer)
@@ -180,7 +182,11 @@ def test_dataset_required(models, tmp_path):
 
 @pytest.mark.parametrize(
     "extra",
-    [{}, pytest.param({"num_generations_eval": 1}, marks=pytest.mark.slow), {"eval_on_start": True}],
+    [
+        {},
+        pytest.param({"num_generations_eval": 1}, marks=pytest.mark.slow),
+        pytest.param({"eval_on_start": True}, marks=pytest.mark.slow),
+    ],
     ids=["eval", "num_generations_eval", "start"],
 )
 def test_train_with_eval(models, tmp_path, extra):
@@ -244,12 +250,15 @@ def test_train_different_reward_model(models, tmp_path):
     train_and_check(trainer)
 
 
-@pytest.mark.parametrize("config", ["standard_prompt_only", "conversational_prompt_only"])
+@pytest.mark.parametrize(
+    "config", ["standard_prompt_only", pytest.param("conversational_prompt_only", marks=pytest.mark.slow)]
+)
 def test_train_reward_func(models, tmp_path, config):
     trainer = ESTrainer(models["qwen2"], reward_len, args=std(tmp_path), train_dataset=zen(config))
     train_and_check(trainer)
 
 
+@pytest.mark.slow
 def test_train_multiple_and_mixed_reward_funcs(models, tmp_path):
     def distinct(completions, **kwargs):
         return [float(len(set(c))) for c in completions]
@@ -340,6 +349,7 @@ def test_reward_func_receives_trainer_state_log_extra_and_log_metric(models, tmp
     assert any("custom_accuracy" in log for log in trainer.state.log_history)
 
 
+@pytest.mark.slow
 def test_warning_raised_all_rewards_none(models, tmp_path):
     def nothing(completions, **kwargs):
         return [None] * len(completions)
@@ -370,7 +380,9 @@ def test_reward_processing_classes(models, tmp_path):
     assert single.reward_weights.tolist() == [1.0]
 
 
-@pytest.mark.parametrize("scale_rewards", [False, "group", "batch", True, "none"])
+@pytest.mark.parametrize(
+    "scale_rewards", [False, "group", *(pytest.param(s, marks=pytest.mark.slow) for s in ("batch", True, "none"))]
+)
 def test_train_scale_rewards(models, tmp_path, scale_rewards):
     """GRPO's advantage scaling has no meaning for ES (fitness_shaping does that): accepted, trained, reported."""
     with (
@@ -387,7 +399,7 @@ def test_train_scale_rewards(models, tmp_path, scale_rewards):
     [
         {"top_p": 0.9, "top_k": 10, "min_p": 0.01, "repetition_penalty": 1.1},
         {"generation_kwargs": {"do_sample": True, "top_k": 50, "num_beams": 2, "length_penalty": -0.1}},
-        {"pad_to_multiple_of": 8},
+        pytest.param({"pad_to_multiple_of": 8}, marks=pytest.mark.slow),
     ],
     ids=["sampling", "generation_kwargs", "pad_to_multiple_of"],
 )
@@ -395,6 +407,7 @@ def test_train_with_generation_settings(models, tmp_path, generation):
     train_and_check(ESTrainer(models["qwen2"], reward_len, args=std(tmp_path, **generation), train_dataset=zen()))
 
 
+@pytest.mark.slow
 def test_train_with_chat_template_kwargs(models, tmp_path):
     args = std(tmp_path, chat_template_kwargs={"enable_thinking": False})
     trainer = ESTrainer(models["qwen3"], reward_len, args=args, train_dataset=zen("conversational_prompt_only"))
@@ -412,6 +425,7 @@ def test_train_peft_config(models, tmp_path):
             torch.testing.assert_close(p, before[name])
 
 
+@pytest.mark.slow
 def test_train_peft_model(models, tmp_path):
     from peft import LoraConfig, get_peft_model
 
