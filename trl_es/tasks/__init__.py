@@ -14,11 +14,15 @@ from . import arithmetic as _arithmetic
 from . import commonsenseqa as _commonsenseqa
 from . import countdown as _countdown
 from . import gsm8k as _gsm8k
+from . import hotpotqa as _hotpotqa
 from . import math500 as _math500
 from .arithmetic import first_integer_reward, small_sums
 from .commonsenseqa import choice_reward, commonsenseqa
+from .competition_math import aime24, aime25, amc23, deepscaler
 from .countdown import countdown, countdown_reward
+from .gpqa import gpqa
 from .gsm8k import gsm8k, gsm8k_reward
+from .hotpotqa import hotpotqa, hotpotqa_reward
 from .math500 import math500, math_reward
 from .mbpp import mbpp, mbpp_reward
 
@@ -54,6 +58,12 @@ TASKS = {
     "small_sums": Task(
         "small_sums", small_sums, first_integer_reward, ("answer",), "test", 32, _arithmetic.extract_answer
     ),
+    "aime24": Task("aime24", aime24, math_reward, ("answer",), "test", 2048, _math500.extract_answer),
+    "aime25": Task("aime25", aime25, math_reward, ("answer",), "test", 2048, _math500.extract_answer),
+    "amc23": Task("amc23", amc23, math_reward, ("answer",), "test", 2048, _math500.extract_answer),
+    "deepscaler": Task("deepscaler", deepscaler, math_reward, ("answer",), "train", 2048, _math500.extract_answer),
+    "gpqa": Task("gpqa", gpqa, choice_reward, ("answer",), "test", 2048, _commonsenseqa.extract_answer),
+    "hotpotqa": Task("hotpotqa", hotpotqa, hotpotqa_reward, ("answer",), "validation", 512, _hotpotqa.extract_answer),
 }
 
 
@@ -68,14 +78,21 @@ __all__ = [
     "SUCCESS_THRESHOLD",
     "TASKS",
     "Task",
+    "aime24",
+    "aime25",
+    "amc23",
     "choice_reward",
     "commonsenseqa",
     "countdown",
     "countdown_reward",
+    "deepscaler",
     "first_integer_reward",
     "get_task",
+    "gpqa",
     "gsm8k",
     "gsm8k_reward",
+    "hotpotqa",
+    "hotpotqa_reward",
     "math500",
     "math_reward",
     "mbpp",

@@ -4,7 +4,9 @@ Instances: n ∈ {3, 4}, target ~ U{10..100}, numbers ~ U{1..99} with replacemen
 finds a solution under Stream-of-Search's integer rules (a+b, a·b, |a−b|, exact division). Prompt: the ES paper's
 raw-text template. Reward (on the completion only): 0.1 × format reward + answer reward, where the answer
 — the last `<answer>…</answer>` — must use each given number exactly once and equal the target. The expression is
-evaluated by walking its syntax tree (numbers, + − × ÷, parentheses only), never with `eval()`.
+evaluated by walking its syntax tree (numbers, + − × ÷, parentheses only), never with `eval()`. A fixed set with the
+columns of the Hub's `Jiayi-Pan/Countdown-Tasks-3to4` (`target`, `nums`), e.g. a published test set, is read
+instead with `source=`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import random
 import re
 
 from datasets import Dataset
+
+from .data import load_rows, require_columns
 
 
 TEMPLATE = (
@@ -62,11 +66,16 @@ def _format_nums(numbers: list[int]) -> str:
     return "[" + " ".join(str(n).rjust(width) for n in numbers) + "]"
 
 
-def countdown(split: str = "train", n_train: int = 200, n_test: int = 2000, seed: int = 0) -> Dataset:
+def countdown(
+    split: str = "train", n_train: int = 200, n_test: int = 2000, seed: int = 0, source: str | None = None
+) -> Dataset:
     """Columns `prompt` (raw text), `numbers`, `target`, `solution`. The first `n_train` instances drawn from `seed`
-    are the train split, the next `n_test` the test split."""
+    are the train split, the next `n_test` the test split. With `source`, all the rows of that fixed set instead
+    (`fixed_set`)."""
     if split not in ("train", "test"):
         raise ValueError(f"unknown split {split!r}; choose 'train' or 'test'")
+    if source is not None:
+        return fixed_set(source)
     rng, rows = random.Random(seed), []
     while len(rows) < n_train + (n_test if split == "test" else 0):
         size, target = rng.choice((3, 4)), rng.randint(10, 100)
@@ -77,12 +86,32 @@ def countdown(split: str = "train", n_train: int = 200, n_test: int = 2000, seed
     rows = rows[:n_train] if split == "train" else rows[n_train:]
     return Dataset.from_dict(
         {
-            "prompt": [TEMPLATE.format(nums=_format_nums(r["numbers"]), target=r["target"]) for r in rows],
+            "prompt": [_prompt(r["numbers"], r["target"]) for r in rows],
             "numbers": [r["numbers"] for r in rows],
             "target": [r["target"] for r in rows],
             "solution": [r["solution"] for r in rows],
         }
     )
+
+
+def fixed_set(source: str) -> Dataset:
+    """Columns `prompt`, `numbers`, `target` from a local .json/.jsonl file or a hub id (its `train` split) with
+    `Jiayi-Pan/Countdown-Tasks-3to4`'s columns `target` (int) and `nums` (list of int), or `numbers` instead."""
+    rows = load_rows(source, "train")
+    numbers = "numbers" if "numbers" in rows.column_names and "nums" not in rows.column_names else "nums"
+    require_columns(rows, [numbers, "target"], source)
+    return Dataset.from_dict(
+        {
+            "prompt": [_prompt(n, t) for n, t in zip(rows[numbers], rows["target"], strict=True)],
+            "numbers": rows[numbers],
+            "target": rows["target"],
+        }
+    )
+
+
+def _prompt(numbers: list[int], target: int) -> str:
+    """The ES paper's prompt for one instance."""
+    return TEMPLATE.format(nums=_format_nums(numbers), target=target)
 
 
 def evaluate_expression(text: str) -> float:
