@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m trl_es.demo
+	$(PY) -m trl_es.cli demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -80,7 +80,7 @@ def dataset(n: int):
 def run(method: str, history: int, answer: int) -> dict:
     import torch
 
-    from trl_es.models import smollm2_dir
+    from trl_es.util.models import smollm2_dir
 
     torch.manual_seed(0)
     common = dict(output_dir=f"/tmp/agent-memory-{method}", max_steps=1, report_to="none", save_strategy="no",

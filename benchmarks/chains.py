@@ -32,7 +32,7 @@ def tiny_chain_step_bytes(population: int, folder: str) -> float:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from trl_es import ESConfig, ESTrainer
-    from trl_es.models import smollm2_tokenizer_dir
+    from trl_es.util.models import smollm2_tokenizer_dir
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
@@ -72,9 +72,9 @@ def main() -> None:
 
     from trl_es import ESConfig, ESTrainer, load_chain
     from trl_es.chains import load_base, replay
-    from trl_es.models import smollm2_dir
-    from trl_es.sparse import write_model_delta
+    from trl_es.research.sparse import write_model_delta
     from trl_es.tasks import first_integer_reward, small_sums
+    from trl_es.util.models import smollm2_dir
 
     base, work = smollm2_dir(), tempfile.mkdtemp(prefix="chains-bench-")
     args = ESConfig(output_dir=os.path.join(work, "run"), population_size=options.population, sigma=3e-3,

@@ -40,8 +40,8 @@ def peer(spec: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_es.models import smollm2_dir
     from trl_es.tasks import countdown, countdown_reward
+    from trl_es.util.models import smollm2_dir
 
     n, sigma, alpha, tokens = spec["population"], spec["sigma"], 5e-4, spec["tokens"]
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).eval()
@@ -103,8 +103,8 @@ def trl_es(spec: dict, out_dir: str) -> dict:
     from transformers import TrainerCallback
 
     from trl_es import ESConfig, ESTrainer
-    from trl_es.models import smollm2_dir
     from trl_es.tasks import countdown, countdown_reward
+    from trl_es.util.models import smollm2_dir
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -162,8 +162,8 @@ def plain(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from trl_es.generation import TransformersGeneration, decoding_config
-    from trl_es.models import smollm2_dir
     from trl_es.tasks import countdown
+    from trl_es.util.models import smollm2_dir
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir(), dtype=torch.float32).eval()

@@ -261,7 +261,7 @@ def main():
         if local.is_dir():
             options.tokenizer = str(local)
         else:
-            from trl_es.models import smollm2_tokenizer_dir
+            from trl_es.util.models import smollm2_tokenizer_dir
 
             options.tokenizer = smollm2_tokenizer_dir()
     out = Path(options.out)

@@ -12,7 +12,7 @@ if [ "${1:-}" = download ]; then
   $python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .gpu/wheels $pins
-  rm -rf .gpu/tokenizer && cp -r "$($python -c 'from trl_es.models import smollm2_tokenizer_dir as d; print(d())')" .gpu/tokenizer
+  rm -rf .gpu/tokenizer && cp -r "$($python -c 'from trl_es.util.models import smollm2_tokenizer_dir as d; print(d())')" .gpu/tokenizer
   du -sh .gpu
   exit
 fi

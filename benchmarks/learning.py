@@ -10,7 +10,7 @@ check) and sampled (T=1) Pass@1 and Pass@8 with 8 completions per problem (`trl-
 
 Methods are interleaved per seed, A B for even seed indices and B A for odd ones (A B B A …), each run in a fresh
 process, so slow drifts of the machine fall on both. `es` is the demo's setting (N=8, σ=α=5e-3, 8 prompts, greedy
-members); the other ES names are variants of it (`SETTINGS`); `grpo` is GRPOTrainer with `trl_es.study`'s settings
+members); the other ES names are variants of it (`SETTINGS`); `grpo` is GRPOTrainer with `trl_es.commands.study`'s settings
 (4 prompts × 4 completions, lr 1e-5); `grpo-es` and `es-grpo` train one for half the budget, then the other from its
 weights (`SEQUENCES`). Prints, per method and mark, the mean and min–max over seeds; writes
 `results.json` and a plot (`--plot`, default docs/img/learning_curves.png): greedy accuracy and Pass@8 against
@@ -81,9 +81,9 @@ def train(method: str, seed: int, minutes: float, marks: int, folder: str) -> li
 
 def stage(method: str, seed: int, minutes: float, marks: int, folder: str, model: str | None = None) -> list[dict]:
     """`method` trained from `model` (default SmolLM2-135M-Instruct) for `minutes`; its `marks` saved points."""
-    from trl_es.models import smollm2_dir
-    from trl_es.study import GRPO_SETTINGS, Budget
+    from trl_es.commands.study import GRPO_SETTINGS, Budget
     from trl_es.tasks import first_integer_reward, small_sums
+    from trl_es.util.models import smollm2_dir
 
     model = model or smollm2_dir()
     common = dict(output_dir=os.path.join(folder, "run"), max_steps=100_000, max_completion_length=12, seed=seed,
@@ -130,7 +130,7 @@ def score(points: list[dict]) -> list[dict]:
 
 def plot(results: list[dict], path: str) -> None:
     """Greedy accuracy and Pass@8 (mean over seeds, min–max band) against seconds and against completions."""
-    from trl_es.eval_report import pyplot
+    from trl_es.evaluation.report import pyplot
 
     plt = pyplot()
     figure, axes = plt.subplots(2, 2, figsize=(10, 7), sharey="row")

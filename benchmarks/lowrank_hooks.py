@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_es.es.lowrank import LowRankPopulation, lowrank_targets
-from trl_es.models import smollm2_dir
 from trl_es.tasks import countdown
+from trl_es.util.models import smollm2_dir
 
 
 def main():

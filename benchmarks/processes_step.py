@@ -59,8 +59,8 @@ def worker(options, out_dir: str) -> None:
     from transformers import TrainerCallback
 
     from trl_es import ESConfig, ESTrainer
-    from trl_es.models import smollm2_dir
     from trl_es.tasks import small_sums
+    from trl_es.util.models import smollm2_dir
 
     counter = {"bytes": 0}
     count_collective_bytes(counter)

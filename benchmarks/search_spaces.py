@@ -34,8 +34,8 @@ def worker(spec: dict, out_dir: str) -> None:
     from transformers import TrainerCallback
 
     from trl_es import ESConfig, ESTrainer
-    from trl_es.models import smollm2_dir
     from trl_es.tasks import first_integer_reward, small_sums
+    from trl_es.util.models import smollm2_dir
 
     class StepClock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):

@@ -59,7 +59,7 @@ def run_generate(options):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from trl_es.models import smollm2_dir
+    from trl_es.util.models import smollm2_dir
 
     model_dir = smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
@@ -84,7 +84,7 @@ OPTIMIZERS = {
 
 def run_es(options):
     from trl_es import ESConfig, ESTrainer
-    from trl_es.models import smollm2_dir
+    from trl_es.util.models import smollm2_dir
 
     args = ESConfig(
         **OPTIMIZERS[options.optimizer],
@@ -121,7 +121,7 @@ def run_grpo(options):
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from trl_es.models import smollm2_dir
+    from trl_es.util.models import smollm2_dir
 
     step_times = []
 

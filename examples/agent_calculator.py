@@ -133,7 +133,7 @@ def main(argv=None):
     from transformers import AutoTokenizer
 
     from trl_es import ESConfig, ESTrainer
-    from trl_es.models import smollm2_dir
+    from trl_es.util.models import smollm2_dir
 
     start = time.time()
     model_dir = smollm2_dir()

@@ -67,9 +67,9 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--reward", default="first_integer_reward", help="built-in name or dotted import path")
     options = parser.parse_args(argv)
 
-    from trl_es.models import smollm2_dir
-    from trl_es.script import load_reward_funcs
+    from trl_es.commands.train import load_reward_funcs
     from trl_es.tasks import small_sums
+    from trl_es.util.models import smollm2_dir
 
     model = smollm2_dir() if options.model == "smollm2" else options.model
     dataset, reward = small_sums("train"), load_reward_funcs([options.reward])

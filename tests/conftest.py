@@ -16,7 +16,7 @@ from helpers import build_tiny_model  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tokenizer_dir():
-    from trl_es.models import smollm2_tokenizer_dir
+    from trl_es.util.models import smollm2_tokenizer_dir
 
     return smollm2_tokenizer_dir()
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import regression_guard
 
-import trl_es.trainer  # noqa: F401  (imported once, before the runs are forked)
+import trl_es.training.trainer  # noqa: F401  (imported once, before the runs are forked)
 
 
 PATCHABLE = {

@@ -24,8 +24,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import build_tiny_model, es_config, weights  # noqa: E402
 
-from trl_es import ESConfig, ESTrainer, load_chain  # noqa: E402
-from trl_es.es import weights_hash  # noqa: E402
+from trl_es import ESConfig, ESTrainer, load_chain
+from trl_es.es import weights_hash
 
 
 QWEN_TEMPLATE = Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja"

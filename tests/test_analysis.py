@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trl_es.analysis import linear_path, mean_nll, mean_token_kl, update_cosine
+from trl_es.research.analysis import linear_path, mean_nll, mean_token_kl, update_cosine
 
 
 TEXTS = ["The capital of France is Paris.", "Water boils at 100 degrees."]

@@ -146,7 +146,7 @@ def saved_run(tmp_path_factory, tiny_model_dir):
 
 def resigned(data: dict) -> str:
     """`data` as a chain file with its checksum recomputed: what a deliberate forger would write."""
-    from trl_es.chains import _checksum
+    from trl_es.chains.chain import _checksum
 
     content = {key: data[key] for key in ("format", "header", "steps", "tip") if key in data}
     return json.dumps({**content, "checksum": _checksum(content)})

@@ -1,9 +1,9 @@
-"""The compatibility module (trl_es/compat.py) on the installed TRL and transformers: the CI matrix runs this on the
+"""The compatibility module (trl_es/util/compat.py) on the installed TRL and transformers: the CI matrix runs this on the
 oldest and the newest supported versions, so a release that renames a hook fails here with the supported range."""
 
 import pytest
 
-from trl_es.compat import BaseTrainer, check_trainer_hooks, is_peft_model, subtract_subsequence
+from trl_es.util.compat import BaseTrainer, check_trainer_hooks, is_peft_model, subtract_subsequence
 
 
 def test_the_trainer_hooks_estrainer_relies_on_are_there():
@@ -50,8 +50,8 @@ def test_is_peft_model_and_the_base_trainer(tiny_model_dir):
 def test_a_missing_optional_package_is_an_error_naming_its_extra(monkeypatch):
     import sys
 
-    from trl_es.compat import import_extra
-    from trl_es.eval_report import pyplot
+    from trl_es.evaluation.report import pyplot
+    from trl_es.util.compat import import_extra
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the [eval] extra were not installed
     with pytest.raises(ImportError, match=r"plotting needs matplotlib.*pip install 'trl-es\[eval\]'"):

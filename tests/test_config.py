@@ -73,7 +73,7 @@ def test_defaults_follow_qiu_et_al_and_document_every_field(tmp_path):
 def test_every_es_field_is_documented_once_under_a_parameter_group():
     """ESConfig's own fields (its additions and the TrainingArguments defaults it changes) each sit in exactly one
     group of the docstring's Parameters section, with their help text."""
-    from trl_es.config import PARAMETER_GROUPS
+    from trl_es.training.config import PARAMETER_GROUPS
 
     own = set(ESConfig.__annotations__)
     grouped = [name for names in PARAMETER_GROUPS.values() for name in names]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from trl_es.cli import main as cli
-from trl_es.eval_report import pareto_front, table
 from trl_es.evaluation import evaluate, score_problems
+from trl_es.evaluation.report import pareto_front, table
 
 
 def read_lines(path):
@@ -123,7 +123,7 @@ def test_bad_input_fails_before_any_model_is_loaded(tmp_path):
     with pytest.raises(ValueError, match=r"no column\(s\) \['answer'\]"):
         evaluate(["no-such-model"], "gsm8k", n=2, k=[1], source=str(lacking), out_dir=str(out))
     with pytest.raises(ValueError, match="generated, not read from files"):
-        evaluate(["no-such-model"], "countdown", n=2, k=[1], source=str(lacking), out_dir=str(out))
+        evaluate(["no-such-model"], "small_sums", n=2, k=[1], source=str(lacking), out_dir=str(out))
     assert not out.exists()  # nothing was generated or written
 
 

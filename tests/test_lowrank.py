@@ -9,12 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trl_es.es import select_parameters
-from trl_es.es.lowrank import (
-    LowRankPopulation,
-    lowrank_factors,
-    lowrank_targets,
-    lowrank_update,
-)
+from trl_es.es.lowrank import LowRankPopulation, lowrank_factors, lowrank_targets, lowrank_update
 
 
 SIGMA = 0.05

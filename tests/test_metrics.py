@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trl_es.metrics import js_diversity, maj_at_k, mean_token_entropy, pass_at_k
+from trl_es.evaluation.metrics import js_diversity, maj_at_k, mean_token_entropy, pass_at_k
 
 
 def test_pass_at_k_by_hand():

@@ -5,13 +5,8 @@ import math
 import pytest
 import torch
 
-from trl_es.distributed import all_reduce_summaries, local_slots
-from trl_es.population import (
-    SummaryLayout,
-    population_diversity,
-    population_metrics,
-    summarize,
-)
+from trl_es.training.distributed import all_reduce_summaries, local_slots
+from trl_es.training.population import SummaryLayout, population_diversity, population_metrics, summarize
 
 
 def test_slots_are_dealt_round_robin_and_cover_the_population_once():

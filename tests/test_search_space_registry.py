@@ -14,9 +14,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from datasets import Dataset  # noqa: E402
 
-from trl_es import ESConfig, ESTrainer, load_chain  # noqa: E402
-from trl_es.es import SEARCH_SPACES, Direction, SearchSpace, register, update_coefficients  # noqa: E402
-from trl_es.es.space import one_member  # noqa: E402
+from trl_es import ESConfig, ESTrainer, load_chain
+from trl_es.es import SEARCH_SPACES, Direction, SearchSpace, register, update_coefficients
+from trl_es.es.space import one_member
 
 
 class NormsOnlySpace(SearchSpace):

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from trl_es.commands.vllm_serve import TokenMiddleware, reachable_from_other_machines, serve_command
 from trl_es.generation.vllm_worker import parse_payload
-from trl_es.vllm_serve import TokenMiddleware, reachable_from_other_machines, serve_command
 
 
 def status(middleware, path, headers=()):
@@ -50,7 +50,7 @@ def test_hosts_beyond_loopback_are_flagged_and_the_middleware_is_installed():
     assert not any(map(reachable_from_other_machines, ["127.0.0.1", "::1", "localhost", "127.0.0.2"]))
     assert all(map(reachable_from_other_machines, ["0.0.0.0", "::", "10.0.0.5", "my-host"]))
     command = serve_command(["--model", "m", "--host", "0.0.0.0"])
-    assert command[command.index("--middleware") + 1] == "trl_es.vllm_serve.TokenMiddleware"
+    assert command[command.index("--middleware") + 1] == "trl_es.commands.vllm_serve.TokenMiddleware"
 
 
 @pytest.mark.parametrize(

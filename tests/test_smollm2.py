@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from trl_es.models import smollm2_dir
+    from trl_es.util.models import smollm2_dir
 
     return smollm2_dir()
 

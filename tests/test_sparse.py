@@ -7,7 +7,7 @@ import tempfile
 import pytest
 import torch
 
-from trl_es.sparse import (
+from trl_es.research.sparse import (
     apply_delta,
     check_same_architecture,
     load_delta,
@@ -191,7 +191,7 @@ def test_sparsity_sweep_scores_thresholded_models_and_plots(tmp_path, tiny_model
 
     from transformers import AutoModelForCausalLM
 
-    from trl_es.sweep import main as sweep
+    from trl_es.commands.sweep import main as sweep
 
     tuned_dir = tmp_path / "tuned"
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from trl_es.study import main as study
+from trl_es.commands.study import main as study
 
 
 REWARD = '''

@@ -4,16 +4,7 @@ import json
 
 import pytest
 
-from trl_es.tasks import (
-    TASKS,
-    choice_reward,
-    commonsenseqa,
-    get_task,
-    gsm8k,
-    gsm8k_reward,
-    math500,
-    math_reward,
-)
+from trl_es.tasks import TASKS, choice_reward, commonsenseqa, get_task, gsm8k, gsm8k_reward, math500, math_reward
 from trl_es.tasks.commonsenseqa import extract_answer as choice_answer
 from trl_es.tasks.data import local_data
 from trl_es.tasks.gsm8k import extract_answer as gsm8k_answer
@@ -135,5 +126,5 @@ def test_every_task_rewards_its_reference_answers_and_only_them():
         assert all(r < 1.0 for r in task.reward(completions=[wrong[name]] * 6, **columns)), name
         assert task.extract_answer(reference(rows[0])) is not None
     assert TASKS["mbpp"].extract_answer is None  # programs are not voted on: no Maj@K for code
-    with pytest.raises(ValueError, match="unknown task 'gsm9k'; built-in tasks: commonsenseqa, countdown"):
+    with pytest.raises(ValueError, match="unknown task 'gsm9k'; built-in tasks: aime24, aime25, amc23, commonsenseqa, countdown"):
         get_task("gsm9k")

@@ -246,7 +246,7 @@ def test_cli_trains_from_a_yaml_recipe(tmp_path, tiny_model_dir, prompt_dataset,
 
 
 def test_example_recipe_parses_into_esconfig():
-    from trl_es.script import make_parser
+    from trl_es.commands.train import make_parser
 
     recipe = Path(__file__).parent.parent / "examples" / "recipe.yaml"
     script_args, args, model_args, _ = make_parser().parse_args_and_config(

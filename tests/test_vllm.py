@@ -249,7 +249,7 @@ def test_vllm_with_an_adapter_is_refused(tmp_path, tiny_model_dir, prompt_datase
 
 
 def test_vllm_serve_command(tmp_path):
-    from trl_es.vllm_serve import serve_command
+    from trl_es.commands.vllm_serve import serve_command
 
     command = serve_command(["--model", "m", "--dtype", "float32"])
     assert command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]

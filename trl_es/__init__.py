@@ -11,11 +11,11 @@ __all__ = ["ESConfig", "ESTrainer", "load_chain"]
 
 def __getattr__(name):
     if name == "ESConfig":
-        from .config import ESConfig
+        from .training.config import ESConfig
 
         return ESConfig
     if name == "ESTrainer":
-        from .trainer import ESTrainer
+        from .training.trainer import ESTrainer
 
         return ESTrainer
     if name == "load_chain":

@@ -43,7 +43,7 @@ def completion_seeds(call_seed: int, n_prompts: int, n_generations: int) -> list
 def environment_seed(seed: int, step: int, prompt: int, generation: int) -> int:
     """The seed an agent environment is reset under for episode (prompt, generation) of step `step`: the same for
     every member, so they all face the same episodes (common random numbers). Tool calls and `get_reward` run under
-    seeds derived from their episode's (`trl_es.agents`)."""
+    seeds derived from their episode's (`trl_es.rollout.episodes`)."""
     return derive_seed("es-environment", seed, step, prompt, generation)
 
 

@@ -4,8 +4,8 @@ served) whose workers hold the members' weights."""
 
 from transformers import GenerationConfig
 
-from ..compat import SAMPLING_FIELDS
 from ..es.weights import LocalWeights
+from ..util.compat import SAMPLING_FIELDS
 from .transformers_backend import Completions, TransformersGeneration
 from .vllm_backend import VLLMGeneration, VLLMWeights, require_vllm
 

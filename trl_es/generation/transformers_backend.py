@@ -17,14 +17,13 @@ from transformers import (
 )
 from trl.data_utils import is_conversational
 
-from ..compat import SAMPLING_FIELDS, sampling_warpers
-from ..metrics import token_entropy
+from ..util.compat import SAMPLING_FIELDS, sampling_warpers
 
 
 @dataclass
 class Completions:
     """Completions for `prompts` repeated `num_generations` times each (prompt-major order). Agent episodes
-    (`trl_es.agents`) also fill the per-completion fields after `entropy_sums`."""
+    (`trl_es.rollout.episodes`) also fill the per-completion fields after `entropy_sums`."""
 
     prompts: list
     completions: list
@@ -51,6 +50,12 @@ class Completions:
         if self.tool_mask is None:
             return [len(ids) for ids in self.completion_ids]
         return [sum(mask) for mask in self.tool_mask]
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """H(softmax(logits)) = −Σ_v p_v log p_v (nats) over the last dimension."""
+    logp = logits.float().log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 class EntropyRecorder(LogitsProcessor):

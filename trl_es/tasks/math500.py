@@ -8,7 +8,7 @@ intervals, expressions…); its vote for Maj@K is math-verify's string form of w
 
 from __future__ import annotations
 
-from ..compat import import_extra
+from ..util.compat import import_extra
 from .data import as_prompt, completion_text, load_rows, local_data, require_columns
 
 

@@ -14,9 +14,9 @@ from typing import Any
 from transformers import TrainingArguments
 from trl.trainer.grpo_config import GRPOConfig
 
-from .es import SEARCH_SPACES
-from .es.fitness import SHAPINGS
-from .es.noise import CHUNK, MAX_TABLE_SIZE
+from ..es import SEARCH_SPACES
+from ..es.fitness import SHAPINGS
+from ..es.noise import CHUNK, MAX_TABLE_SIZE
 from .grpo_fields import check_grpo_only_fields, grpo_only_fields_class
 
 
@@ -174,7 +174,7 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         metadata={
             "help": "When set, `save_model` also writes `sparse_delta.safetensors`: the entries whose update from the "
             "starting weights (reloaded from the model path) exceeds this magnitude, which `trl-es apply-delta` "
-            "turns back into the thresholded model, and the update's statistics in the model card (trl_es.sparse)."
+            "turns back into the thresholded model, and the update's statistics in the model card (trl_es.research.sparse)."
         },
     )
 
@@ -541,7 +541,7 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         if not self.eval_k or not all(isinstance(k, int) and 1 <= k <= n_eval for k in self.eval_k):
             refuse("eval_k", f"every K must be an integer in 1..{n_eval} (the completions per eval prompt)")
         if self.eval_task is not None:
-            from .tasks import TASKS
+            from ..tasks import TASKS
 
             if self.eval_task not in TASKS or TASKS[self.eval_task].extract_answer is None:
                 voting = sorted(name for name, task in TASKS.items() if task.extract_answer)

@@ -28,12 +28,12 @@ from typing import TypedDict
 import torch
 from trl.trainer.utils import get_config_model_id
 
-from .atomic import atomic_write_text
-from .compat import import_extra
-from .es.noise import CHUNK, MAX_TABLE_SIZE
-from .es.space import SEARCH_SPACES, optimizer_header, rebuild_optimizer, step_optimizer
-from .es.weights import LocalWeights, weights_hash
-from .models import is_hub_repository
+from ..es.noise import CHUNK, MAX_TABLE_SIZE
+from ..es.space import SEARCH_SPACES, optimizer_header, rebuild_optimizer, step_optimizer
+from ..es.weights import LocalWeights, weights_hash
+from ..util.atomic import atomic_write_text
+from ..util.compat import import_extra
+from ..util.models import is_hub_repository
 
 
 FORMAT = "trl-es-chain/1"
@@ -206,7 +206,7 @@ class Chain:
         noise, space = self.header["noise"], self.header["space"]
         weights = LocalWeights(params, noise["seed"], noise["table_size"], storage_device="cpu")
         weights.capture()
-        from .loading import load_starting_model
+        from ..util.models import load_starting_model
 
         replay = _space_class(space["kind"]).replayer(space, weights, load_starting_model)
         optimizer = rebuild_optimizer(space["optimizer"], params) if space.get("optimizer") else None
@@ -330,8 +330,7 @@ def _finite_numbers(value) -> bool:
 def load_base(path: str, header: dict) -> torch.nn.Module:
     """The chain's starting model from `path`, loaded as training loaded it: in the chain's dtype, as a trainable
     adapter for an adapter-only run, with the new adapter (seeded as in training) for a `peft_config` run."""
-    from .loading import add_adapter, load_starting_model
-    from .models import resolve_model
+    from ..util.models import add_adapter, load_starting_model, resolve_model
 
     path = resolve_model(path)
     base = header["base"]
@@ -350,8 +349,8 @@ def load_base(path: str, header: dict) -> torch.nn.Module:
 def replay(chain: Chain, base: str, out: str, steps: int | None = None, force: bool = False) -> None:
     """Rebuild the model after `steps` steps (default: all) from `base` into the new directory `out`: a normal HF
     model directory (an adapter directory for adapter runs) with the base's tokenizer, written atomically."""
-    from .atomic import atomic_directory
-    from .loading import load_tokenizer
+    from ..util.atomic import atomic_directory
+    from ..util.models import load_tokenizer
 
     if os.path.lexists(out):  # a dangling symlink too
         raise ValueError(f"--out {out} already exists; choose a new directory")
@@ -362,20 +361,3 @@ def replay(chain: Chain, base: str, out: str, steps: int | None = None, force: b
     with atomic_directory(out) as staging:
         model.save_pretrained(staging)
         load_tokenizer(base if os.path.isdir(base) else None, model).save_pretrained(staging)
-
-
-def main(argv: list[str] | None = None) -> None:
-    from .cli import command_parser
-
-    parser = command_parser("trl-es replay", "Rebuild a trained model from its seed chain.")
-    parser.add_argument("--chain", required=True, help="es_chain.json, a folder holding it, or a Hub repository id")
-    parser.add_argument("--base", help="the model training started from (default: the one the chain names)")
-    parser.add_argument("--out", required=True, help="a new directory for the rebuilt model")
-    parser.add_argument("--steps", type=int, help="replay the first STEPS steps only (checkpoint-STEPS's weights)")
-    parser.add_argument("--force", action="store_true", help="replay even if the base weights' SHA-256 differs")
-    options = parser.parse_args(argv)
-    chain = load_chain(options.chain)
-    base = chain.header["base"]
-    base = options.base or (base["path"] if base.get("path") and os.path.isdir(base["path"]) else base["model"])
-    replay(chain, base, options.out, options.steps, options.force)
-    print(f"Model after {chain.span()[1] if options.steps is None else options.steps} steps saved to {options.out}.")

@@ -1,7 +1,7 @@
 """What each evaluated member reports, and the step's metrics computed from it.
 
 Each slot of the population (the centre, a member) is summarised in one row of float64 numbers (`summarize`); the
-rows of all processes are summed by one all-reduce (`trl_es.distributed`). Logged metrics are computed from these
+rows of all processes are summed by one all-reduce (`trl_es.training.distributed`). Logged metrics are computed from these
 rows with the same formulas whatever the number of processes, so 1 process and K processes log the same numbers.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .metrics import js_diversity
+from ..evaluation.metrics import js_diversity
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ def frac_reward_zero_std(summaries: torch.Tensor, n_functions: int, n_prompts: i
 
 
 def population_diversity(summaries: torch.Tensor, n_prompts: int) -> float:
-    """Verifier-projected JS diversity (`trl_es.metrics.js_diversity`) of the members' per-prompt success."""
+    """Verifier-projected JS diversity (`trl_es.evaluation.metrics.js_diversity`) of the members' per-prompt success."""
     return js_diversity(summaries[:, summaries.shape[1] - n_prompts :])  # the `success` columns, last
 
 

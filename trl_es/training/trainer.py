@@ -4,8 +4,8 @@ One ES step (`_es_step`) reads top to bottom: the search space asks for the step
 its share of them (form the member, generate, score); one all-reduce gathers every member's rewards; they are shaped
 into fitness; the search space is told, which is the update; the step's metrics are logged. What a member is lives in
 the search space (`trl_es.es.space`), where its weights are written in the weights backend (`trl_es.es.weights`,
-vLLM's in `trl_es.generation`), how processes share the work in `trl_es.distributed`, logs and evaluation in
-`trl_es.reporting`, checkpoints and saving in `trl_es.saving`. transformers' Trainer supplies data, logging, callbacks, checkpoints and the Hub; its optimizer is a
+vLLM's in `trl_es.generation`), how processes share the work in `trl_es.training.distributed`, logs and evaluation in
+`trl_es.training.reporting`, checkpoints and saving in `trl_es.training.checkpoints`. transformers' Trainer supplies data, logging, callbacks, checkpoints and the Hub; its optimizer is a
 placeholder that only carries α_t.
 """
 
@@ -26,20 +26,21 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl.trainer.grpo_config import GRPOConfig
 from trl.trainer.utils import get_config_model_id, identity
 
-from .agents import Agents, agent_dataset
-from .chains import new_chain
-from .compat import BaseTrainer, check_trainer_hooks
+from ..chains import new_chain
+from ..es import SearchSpace, search_space, select_parameters, shape_fitness
+from ..es.seeds import completion_seeds, sampling_seed
+from ..es.space import step_optimizer
+from ..generation import make_backend
+from ..rewards import RewardFunctions
+from ..rollout.episodes import Agents
+from ..util.compat import BaseTrainer, check_trainer_hooks
+from ..util.models import load_starting_model
+from .checkpoints import SavingMixin
 from .config import ESConfig
 from .distributed import Processes
-from .es import SearchSpace, search_space, select_parameters, shape_fitness
-from .es.seeds import completion_seeds, sampling_seed
-from .es.space import step_optimizer
-from .generation import make_backend
-from .loading import check_eval_dataset, check_model_type, load_starting_model, prepare_model
+from .loading import agent_dataset, check_eval_dataset, check_model_type, prepare_model
 from .population import DistanceFromStart, SummaryLayout, member_rewards, population_metrics, summarize
 from .reporting import ReportingMixin
-from .rewards import RewardFunctions
-from .saving import SavingMixin
 
 
 check_trainer_hooks()
@@ -425,7 +426,7 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
     def _generator(self, rows: list[dict], step: int) -> Callable:
         """`generate(n_members, seeds, route)`: the completions of one generate call's members on `rows`, member-major,
         `num_generations` per prompt, completion r sampled with `seeds[r]`: one batched `generate` of the backend,
-        or the episodes of an agent run (`trl_es.agents`), every turn routed to its member."""
+        or the episodes of an agent run (`trl_es.rollout.episodes`), every turn routed to its member."""
         n, agents = self.args.num_generations, self.agents
         if agents is not None and agents.generates_itself:
 

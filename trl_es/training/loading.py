@@ -1,96 +1,18 @@
-"""What training starts from: the model (an id or directory, a Trainer checkpoint such as GRPOTrainer's
-`checkpoint-N`, or a PEFT adapter on its base model), its tokenizer, and the prompt dataset, each checked."""
+"""What training starts from, checked: the model as ESTrainer takes it (loaded with `trl_es.util.models`), its
+tokenizer, and the prompt datasets (an agent run's included)."""
 
 from __future__ import annotations
 
-import os
-
-import torch
 from datasets import Dataset
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
-from trl.trainer.utils import create_model_from_path, disable_dropout_in_model, get_config_model_id
+from trl.trainer.utils import disable_dropout_in_model
 
-from .compat import import_extra, is_peft_model
-from .es.seeds import adapter_init_seed
-from .models import resolve_model
+from ..util.compat import is_peft_model
+from ..util.models import add_adapter, eos_token_ids, load_starting_model, load_tokenizer, resolve_model
 
 
 logger = logging.get_logger(__name__)
-
-
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-
-
-def is_adapter_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "adapter_config.json"))
-
-
-def load_starting_model(path: str, adapter_only: bool = False, **model_init_kwargs):
-    """The model to train from `path`. A PEFT adapter is loaded onto its base (`base_model_name_or_path` in its
-    config) and merged into it, or, with `adapter_only`, kept as a PeftModel whose adapter weights alone are
-    trainable (so ES perturbs only them). 'smollm2' is SmolLM2-135M-Instruct offline (`models.resolve_model`).
-    Clear errors for a path that does not exist, a directory without weights, an id the Hub cannot provide, or an
-    adapter whose base cannot be loaded."""
-    path = resolve_model(path)
-    if os.path.isdir(path) and is_adapter_dir(path):
-        return _load_adapter(path, adapter_only, model_init_kwargs)
-    if adapter_only:
-        raise ValueError(f"es_adapter_only=True needs a PEFT adapter directory; {path!r} has no adapter_config.json")
-    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, name)) for name in WEIGHT_FILES):
-        raise FileNotFoundError(
-            f"{path!r} holds no model weights (none of {', '.join(WEIGHT_FILES)}) and no PEFT adapter: a "
-            "Trainer checkpoint without its model files cannot be trained from"
-        )
-    try:
-        return create_model_from_path(path, **model_init_kwargs)
-    except OSError as error:
-        if os.path.exists(path):
-            raise
-        raise OSError(
-            f"model {path!r} is not a local directory, and the Hugging Face Hub could not provide it (offline, or no "
-            f"such repository): {str(error).splitlines()[0]} — give a local path, or 'smollm2' for the built-in "
-            "SmolLM2-135M-Instruct"
-        ) from error
-
-
-def _load_adapter(path: str, adapter_only: bool, model_init_kwargs: dict):
-    peft = import_extra("peft", "peft", f"the PEFT adapter {path!r}")
-    PeftConfig, PeftModel = peft.PeftConfig, peft.PeftModel
-    base_path = PeftConfig.from_pretrained(path).base_model_name_or_path
-    try:
-        base = create_model_from_path(base_path, **model_init_kwargs)
-    except OSError as error:
-        raise FileNotFoundError(
-            f"the adapter {path!r} needs its base model {base_path!r} (base_model_name_or_path in its "
-            f"adapter_config.json), which cannot be loaded: {error}"
-        ) from error
-    model = PeftModel.from_pretrained(base, path, is_trainable=adapter_only)
-    if adapter_only:
-        return model
-    return model.merge_and_unload().requires_grad_(True)  # PEFT froze the base; merged, every weight is trainable
-
-
-def load_tokenizer(path: str | None, model, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    """The tokenizer (left padding, for generation) from `path` when it holds one — a checkpoint or adapter carries
-    its own tokenizer and chat template — else from the model's own id."""
-    if path is None or not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
-        path = get_config_model_id(model.config)
-    return AutoTokenizer.from_pretrained(
-        path, padding_side="left", truncation_side="left", trust_remote_code=trust_remote_code
-    )
-
-
-def eos_token_ids(model, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Every token that ends a completion: the model's generation-config EOS ids and the tokenizer's EOS."""
-    ids = model.generation_config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    return ids if tokenizer.eos_token_id in ids else [tokenizer.eos_token_id, *ids]
 
 
 def check_model_type(model) -> None:
@@ -131,20 +53,6 @@ def prepare_model(model, args, processing_class=None, peft_config=None):
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     disable_dropout_in_model(model)
     return model, tokenizer, eos_token_ids(model, tokenizer)
-
-
-def add_adapter(model, peft_config, seed: int):
-    """A new adapter, as in GRPOTrainer: ES then perturbs its weights only. Its initial weights are drawn from a seed
-    derived from the run's, so a seed chain can rebuild them."""
-    if is_peft_model(model):
-        raise ValueError(
-            "`peft_config` adds a new adapter, but the model already is a PeftModel (an adapter loaded with "
-            "es_adapter_only): pass one or the other"
-        )
-    get_peft_model = import_extra("peft", "peft", "`peft_config`").get_peft_model
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(adapter_init_seed(seed))
-        return get_peft_model(model, peft_config)
 
 
 def check_tokenizer(tokenizer, model) -> PreTrainedTokenizerBase:
@@ -198,3 +106,38 @@ def check_eval_dataset(eval_dataset, train_dataset) -> None:
             f"`eval_dataset` lacks column(s) {missing} that `train_dataset` has: the reward functions read the same "
             "columns in both"
         )
+
+
+def agent_dataset(dataset, args, environment_factory):
+    """The training dataset, checked as GRPOTrainer checks it. An environment may own the data: without a dataset,
+    `per_device_train_batch_size` rows of an empty user prompt (which each episode's `reset` fills) drive the run,
+    and `max_steps` sets its length; with one, the `prompt` column is optional (an empty user prompt)."""
+    if environment_factory is None:
+        if dataset is None:
+            raise ValueError("`train_dataset` is required unless an `environment_factory` is provided.")
+        check_prompt_dataset(dataset)
+        return dataset
+    multi = isinstance(environment_factory, dict)
+    if dataset is None:
+        if multi:
+            raise ValueError(
+                "A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
+                "`environment` column to route each example to its environment. Provide a dataset, or pass a single "
+                "environment factory."
+            )
+        if args.max_steps <= 0:
+            raise ValueError(
+                "When training without a `train_dataset` (the environment owns the data and returns the prompt from "
+                "`reset()`), `max_steps` must be set to a positive value to define the training length. Set it via "
+                "`ESConfig(max_steps=...)`."
+            )
+        return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * args.per_device_train_batch_size})
+    columns = getattr(dataset, "column_names", None) or []
+    if "prompt" in columns:
+        check_prompt_dataset(dataset)
+    if multi and "environment" not in columns:
+        raise ValueError(
+            f"a `dict` `environment_factory` selects each row's environment by its `environment` column, which the "
+            f"train_dataset lacks (columns: {columns})"
+        )
+    return dataset

@@ -3,7 +3,7 @@ the `eval` extra)."""
 
 from __future__ import annotations
 
-from .compat import import_extra
+from ..util.compat import import_extra
 
 
 def table(results: dict, metric: str = "pass") -> str:

@@ -1,6 +1,6 @@
 """The README's demo: ES on SmolLM2-135M-Instruct (CPU) learning small sums, with held-out accuracy before/after.
 
-    python -m trl_es.demo [--steps 12] [--population 8]
+    python -m trl_es.commands.demo [--steps 12] [--population 8]
 
 Settings (N=8, σ=5e-3, α=5e-3, greedy decoding, 8 prompts per step) are the best of the ES settings compared in
 `benchmarks/learning.py` on 2 CPU cores: held-out greedy accuracy 0.72 on average over 3 seeds after 4 minutes,
@@ -16,13 +16,13 @@ import time
 
 from transformers import PrinterCallback, TrainerCallback
 
-from .cli import command_parser
+from .parser import command_parser
 
 
 def held_out_accuracy(trainer, dataset) -> float:
     """Share of held-out prompts whose greedy completion (current weights) earns the correctness reward."""
-    from .es.seeds import completion_seeds
-    from .tasks import first_integer_reward
+    from ..es.seeds import completion_seeds
+    from ..tasks import first_integer_reward
 
     generation = trainer.generation
     prompts, answers = list(dataset["prompt"]), list(dataset["answer"])
@@ -54,9 +54,9 @@ def main(argv=None):
     parser.add_argument("--output-dir", default="outputs/demo", help="where the trained model goes")
     options = parser.parse_args(argv)
 
-    from . import ESConfig, ESTrainer
-    from .models import smollm2_dir
-    from .tasks import first_integer_reward, small_sums
+    from .. import ESConfig, ESTrainer
+    from ..tasks import first_integer_reward, small_sums
+    from ..util.models import smollm2_dir
 
     start = time.time()
     model_dir = smollm2_dir()

@@ -2,7 +2,7 @@
 
 Every process reads the same prompts and regenerates every member's noise from its seed. The step's slots (the
 unperturbed centre when `es_baseline="center"`, then members 0..N−1) are dealt round-robin: process r evaluates
-slots r, r+K, r+2K, … Each evaluated slot is summarised in one row of float64 numbers (`trl_es.population`); the rows
+slots r, r+K, r+2K, … Each evaluated slot is summarised in one row of float64 numbers (`trl_es.training.population`); the rows
 of all processes are summed with one all-reduce (each row has one non-zero contributor, so the sum is exact), and
 every process then applies the identical update. What crosses the wire per step: seeds never, N rows of scalars.
 

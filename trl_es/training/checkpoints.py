@@ -9,7 +9,7 @@ Every checkpoint and saved model carries the run's seed chain, `es_chain.json` (
 every step, from which the weights can be rebuilt from the starting model; a resumed run continues its checkpoint's
 chain. `push_to_hub(chain_only=True)` publishes just the chain and a model card saying how to replay it.
 
-Every save is atomic (`trl_es.atomic`): a checkpoint is written whole into `<output_dir>/.staging/checkpoint-K`,
+Every save is atomic (`trl_es.util.atomic`): a checkpoint is written whole into `<output_dir>/.staging/checkpoint-K`,
 flushed to disk and renamed to `checkpoint-K`, and only then are older checkpoints rotated away, so a crash at any
 moment leaves every `checkpoint-K` complete and `resume_from_checkpoint=True` (the newest one) resumable; a saved
 model's files appear together or not at all. A run holds a lock on its `output_dir` (`.trl-es.lock`), so a second
@@ -27,11 +27,11 @@ import tempfile
 from transformers.trainer_utils import rotate_checkpoints
 from trl.trainer.utils import get_config_model_id
 
-from . import sparse
-from .atomic import atomic_directory, atomic_write_text, publish_directory
-from .chains import FILE as CHAIN_FILE
-from .chains import Chain, check_resume, load_chain, run_header
-from .es.weights import weights_hash
+from ..chains import FILE as CHAIN_FILE
+from ..chains import Chain, check_resume, load_chain, run_header
+from ..es.weights import weights_hash
+from ..research import sparse
+from ..util.atomic import atomic_directory, atomic_write_text, publish_directory
 from .reporting import window_means
 
 

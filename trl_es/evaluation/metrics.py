@@ -21,6 +21,8 @@ from collections import Counter
 
 import torch
 
+from ..generation.transformers_backend import token_entropy
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased Pass@K from n samples with c correct: 1 − C(n−c, k)/C(n, k)."""
@@ -46,12 +48,6 @@ def maj_at_k(answers: list, correct: list[bool], k: int) -> float:
     top = max(votes.values())
     winner = next(i for i, answer in enumerate(answers[:k]) if answer is not None and votes[answer] == top)
     return float(correct[winner])
-
-
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """H(softmax(logits)) = −Σ_v p_v log p_v (nats) over the last dimension."""
-    logp = logits.float().log_softmax(-1)
-    return -(logp.exp() * logp).sum(-1)
 
 
 def mean_token_entropy(logits: torch.Tensor, mask: torch.Tensor) -> float:

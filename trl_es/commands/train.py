@@ -21,9 +21,9 @@ import sys
 
 import yaml
 
-from .compat import subtract_subsequence
-from .config import ESConfig, unknown_field_error
-from .tasks import TASKS
+from ..tasks import TASKS
+from ..training.config import ESConfig, unknown_field_error
+from ..util.compat import subtract_subsequence
 
 
 BUILTIN_REWARDS = {task.reward.__name__: task.reward for task in TASKS.values()}
@@ -115,7 +115,7 @@ def build_trainer(script_args, training_args, model_args, dataset_args):
     """The ESTrainer the arguments describe, as TRL's GRPO script builds its GRPOTrainer."""
     from trl import get_peft_config, get_quantization_config
 
-    from . import ESTrainer
+    from .. import ESTrainer
 
     if get_quantization_config(model_args) is not None:
         raise ValueError("load_in_4bit / load_in_8bit: ES writes perturbations into the weights, which needs them in "

@@ -4,7 +4,7 @@
         [--out-dir outputs/sweep]
 
 For each τ (keep |Δ| > τ) and each top fraction, the thresholded model θ_base + mask·Δ is scored, next to the base
-and the tuned model, and its `trl_es.sparse` delta is written to measure its size. The score is Pass@1 with greedy
+and the tuned model, and its `trl_es.research.sparse` delta is written to measure its size. The score is Pass@1 with greedy
 decoding on the built-in small-sums held-out problems (the demo's task); other tasks and Pass@K come with the
 evaluation API. Writes `sweep.json` and `sweep.png` (score against the share of entries kept).
 """
@@ -18,10 +18,10 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from .atomic import atomic_write_text
-from .cli import command_parser
-from .eval_report import pyplot
-from .sparse import save_delta, threshold_masks, thresholded
+from ..evaluation.report import pyplot
+from ..research.sparse import save_delta, threshold_masks, thresholded
+from ..util.atomic import atomic_write_text
+from .parser import command_parser
 
 
 def sparsity_sweep(
@@ -80,10 +80,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     from transformers import AutoModelForCausalLM
 
-    from . import ESConfig, ESTrainer
+    from .. import ESConfig, ESTrainer
+    from ..tasks import first_integer_reward, small_sums
+    from ..util.models import resolve_model
     from .demo import held_out_accuracy
-    from .models import resolve_model
-    from .tasks import first_integer_reward, small_sums
 
     base_dir = resolve_model(options.base)
     base = dict(AutoModelForCausalLM.from_pretrained(base_dir).named_parameters())

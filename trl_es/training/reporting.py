@@ -1,6 +1,6 @@
 """What ESTrainer reports: the training metrics of each logging window, and evaluations.
 
-A mixin of `ESTrainer`. Every step appends its metrics (`trl_es.population`) to `self._metrics`; `log` — called by
+A mixin of `ESTrainer`. Every step appends its metrics (`trl_es.training.population`) to `self._metrics`; `log` — called by
 Trainer every `logging_steps`, at the end of training, and by `ESTrainer` before each checkpoint — logs their
 means over the window, NaN values left out (a metric with none left logs None), as GRPOTrainer does, so no step's
 metrics are lost. `evaluate` runs the evaluation loop `trl-es eval` runs (`trl_es.evaluation.evaluate_batch`), on one
@@ -20,9 +20,9 @@ from transformers.integrations import is_trackio_available, is_wandb_available
 from transformers.utils import is_rich_available
 from trl.trainer.utils import print_prompt_completions_sample
 
-from .es.seeds import eval_seed
-from .evaluation import evaluate_batch, plain_generate, summarize_records
-from .tasks import get_task
+from ..es.seeds import eval_seed
+from ..evaluation import evaluate_batch, plain_generate, summarize_records
+from ..tasks import get_task
 
 
 def window_means(metrics: dict[str, list[float]]) -> dict[str, float | None]:

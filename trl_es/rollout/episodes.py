@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from datasets import Dataset
 from trl.chat_template_utils import (
     add_response_schema,
     get_training_chat_template,
@@ -48,10 +47,9 @@ from trl.chat_template_utils import (
 from trl.data_utils import is_conversational
 from trl.trainer.utils import is_async_callable, shutdown_event_loop_in_daemon, start_event_loop_in_daemon
 
-from .compat import parse_response, tool_suffix_ids
-from .es.seeds import derive_seed, environment_seed
-from .generation import Completions
-from .loading import check_prompt_dataset
+from ..es.seeds import derive_seed, environment_seed
+from ..generation import Completions
+from ..util.compat import parse_response, tool_suffix_ids
 
 
 ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
@@ -62,41 +60,6 @@ TOOL_TEMPLATE_HINT = (
     "tokenizer.chat_template = open(os.path.join(os.path.dirname(trl.__file__), 'chat_templates', "
     "'qwen2_5.jinja')).read()"
 )
-
-
-def agent_dataset(dataset, args, environment_factory):
-    """The training dataset, checked as GRPOTrainer checks it. An environment may own the data: without a dataset,
-    `per_device_train_batch_size` rows of an empty user prompt (which each episode's `reset` fills) drive the run,
-    and `max_steps` sets its length; with one, the `prompt` column is optional (an empty user prompt)."""
-    if environment_factory is None:
-        if dataset is None:
-            raise ValueError("`train_dataset` is required unless an `environment_factory` is provided.")
-        check_prompt_dataset(dataset)
-        return dataset
-    multi = isinstance(environment_factory, dict)
-    if dataset is None:
-        if multi:
-            raise ValueError(
-                "A `dict` `environment_factory` (multiple environments) requires a `train_dataset` with an "
-                "`environment` column to route each example to its environment. Provide a dataset, or pass a single "
-                "environment factory."
-            )
-        if args.max_steps <= 0:
-            raise ValueError(
-                "When training without a `train_dataset` (the environment owns the data and returns the prompt from "
-                "`reset()`), `max_steps` must be set to a positive value to define the training length. Set it via "
-                "`ESConfig(max_steps=...)`."
-            )
-        return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * args.per_device_train_batch_size})
-    columns = getattr(dataset, "column_names", None) or []
-    if "prompt" in columns:
-        check_prompt_dataset(dataset)
-    if multi and "environment" not in columns:
-        raise ValueError(
-            f"a `dict` `environment_factory` selects each row's environment by its `environment` column, which the "
-            f"train_dataset lacks (columns: {columns})"
-        )
-    return dataset
 
 
 @contextlib.contextmanager

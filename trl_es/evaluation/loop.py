@@ -4,7 +4,7 @@
 
 For each model, n completions are sampled per problem (transformers `generate`, the trainer's generation backend) and
 scored by the task's reward (correct ⇔ reward ≥ `SUCCESS_THRESHOLD`, `trl_es.tasks`). Per problem: the unbiased
-Pass@K, Maj@K over the extracted answers and the completions' token entropy (`trl_es.metrics`); the model's scores
+Pass@K, Maj@K over the extracted answers and the completions' token entropy (`trl_es.evaluation.metrics`); the model's scores
 are their means. `evaluate_batch` is the one evaluation loop: `ESTrainer.evaluate` runs it too.
 Problems are generated in fixed batches, each with its own seed, and every finished batch is appended to
 `<out-dir>/records/<model>.jsonl`: an interrupted evaluation resumes where it stopped and gives the same numbers.
@@ -24,14 +24,13 @@ from collections.abc import Callable
 
 import torch
 
-from .atomic import atomic_write_text
-from .cli import command_parser
-from .es.seeds import completion_seeds, eval_seed
-from .es.weights import weights_hash
-from .eval_report import plot_pareto, plot_pass_at_k, table
+from ..es.seeds import completion_seeds, eval_seed
+from ..es.weights import weights_hash
+from ..tasks import SUCCESS_THRESHOLD, Task, get_task
+from ..tasks.data import completion_text
+from ..util.atomic import atomic_write_text
 from .metrics import maj_at_k, pass_at_k
-from .tasks import SUCCESS_THRESHOLD, TASKS, Task, get_task
-from .tasks.data import completion_text
+from .report import plot_pareto, plot_pass_at_k
 
 
 RECORDS_FORMAT = 2
@@ -122,7 +121,7 @@ def load_problems(task: Task, split: str | None, source: str | None, limit: int 
     return dataset
 
 
-def _report(message: str) -> None:
+def print_progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
@@ -135,8 +134,7 @@ def _model_name(path: str, taken: set[str]) -> str:
 
 
 def _load(path: str):
-    from .loading import eos_token_ids, load_starting_model, load_tokenizer
-    from .models import resolve_model
+    from ..util.models import eos_token_ids, load_starting_model, load_tokenizer, resolve_model
 
     path = resolve_model(path)
     model = load_starting_model(path)
@@ -155,11 +153,11 @@ def evaluate_model(
     records_path: str,
     settings: dict,
     batch_size: int = 8,
-    progress: Callable[[str], None] = _report,
+    progress: Callable[[str], None] = print_progress,
 ) -> dict:
     """Sample n completions per problem of `dataset` from the model at `model_path`, appending one JSON line per
     batch to `records_path` (resuming from the batches already there), and return the model's scores."""
-    from .generation import TransformersGeneration, decoding_config
+    from ..generation import TransformersGeneration, decoding_config
 
     model, tokenizer, eos_ids = _load(model_path)
     settings = {**settings, "weights_sha256": weights_hash(dict(model.named_parameters()))}  # the records' model
@@ -214,7 +212,9 @@ def task_rewards(task: Task, n: int) -> Callable:
     return rewards_of
 
 
-def _read_records(path: str, settings: dict, sizes: dict[int, int], n: int, progress=_report) -> dict[int, dict]:
+def _read_records(
+    path: str, settings: dict, sizes: dict[int, int], n: int, progress=print_progress
+) -> dict[int, dict]:
     """The finished batches of an earlier run with the same settings (a ValueError for other settings). Records of
     other weights (the model at that path was trained again since) are discarded, with a message: the model is
     evaluated again. A last line cut short by an interruption is dropped from the file: that batch is generated
@@ -313,7 +313,7 @@ def evaluate(
     top_p: float = 1.0,
     batch_size: int = 8,
     seed: int = 0,
-    progress: Callable[[str], None] = _report,
+    progress: Callable[[str], None] = print_progress,
     greedy: bool = False,
     top_k: int = 0,
 ) -> dict:
@@ -371,61 +371,4 @@ def evaluate(
     atomic_write_text(os.path.join(out_dir, "results.json"), json.dumps(results, indent=1))
     plot_pass_at_k(results, os.path.join(out_dir, "pass_at_k.png"))
     plot_pareto(results, os.path.join(out_dir, "pareto.png"))
-    return results
-
-
-def main(argv: list[str] | None = None) -> dict:
-    parser = command_parser("trl-es eval", __doc__.splitlines()[0])
-    parser.add_argument(
-        "--model",
-        action="append",
-        required=True,
-        help="a model directory, checkpoint, PEFT adapter or id ('smollm2'); repeat for several",
-    )
-    parser.add_argument("--task", required=True, help=", ".join(TASKS))
-    parser.add_argument("--n", type=int, default=8, help="completions sampled per problem (1 with --greedy)")
-    parser.add_argument("--k", default="1", help="comma-separated K values for Pass@K and Maj@K, each ≤ n")
-    parser.add_argument("--split", default=None, help="the task's split (default: its evaluation split)")
-    parser.add_argument("--source", default=None, help="a local data file or hub id instead of the built-in copy")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate the first LIMIT problems")
-    parser.add_argument("--max-completion-length", type=int, default=None, help="tokens (None: the task's)")
-    parser.add_argument("--greedy", action="store_true", help="decode greedily (as the demo trains); with --n 1")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
-    parser.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: off)")
-    parser.add_argument("--batch-size", type=int, default=8, help="problems per generate call (× n completions)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    parser.add_argument("--out-dir", default="outputs/eval", help="results, records and plots")
-    options = parser.parse_args(argv)
-    try:
-        k_values = [int(k) for k in options.k.split(",") if k]
-    except ValueError:
-        parser.error(f"--k must be comma-separated integers, got {options.k!r}")
-    results = evaluate(
-        options.model,
-        options.task,
-        options.n,
-        k_values,
-        options.out_dir,
-        options.split,
-        options.source,
-        options.limit,
-        options.max_completion_length,
-        options.temperature,
-        options.top_p,
-        options.batch_size,
-        options.seed,
-        greedy=options.greedy,
-        top_k=options.top_k,
-    )
-    print(f"decoding: {decoding_description(results['settings'])}")
-    print(table(results, "pass"))
-    if any(key.startswith("maj@") for key in next(iter(results["models"].values()))):
-        print(table(results, "maj"))
-    for name, scores in results["models"].items():
-        print(
-            f"{name}: mean token entropy {scores['mean_token_entropy']:.3f} nats, mean length "
-            f"{scores['mean_completion_length']:.1f} tokens, {scores['wall_s']:.0f} s"
-        )
-    print(f"wrote {options.out_dir}/results.json, pass_at_k.png, pareto.png")
     return results

@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from .es.weights import weights_hash
+from ..es.weights import weights_hash
 
 
 FORMAT = "trl-es-sparse-delta/1"

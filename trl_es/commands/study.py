@@ -9,7 +9,7 @@ calibrated settings (N=8, σ=5e-3, α=5e-3, 8 prompts per step, greedy members, 
 `grpo-es` continues the `grpo` result with ES for another budget, `es-grpo` the `es` result with GRPO: two budgets
 in all. Then the base and every result are evaluated on the task's held-out problems with the same sampling
 (`trl_es.evaluation`: Pass@K and Maj@K, mean token entropy) and every update is measured against the base
-(`trl_es.sparse.update_statistics`: relative L2 and s_τ; `trl_es.analysis`: the cosine between the ES and GRPO
+(`trl_es.research.sparse.update_statistics`: relative L2 and s_τ; `trl_es.research.analysis`: the cosine between the ES and GRPO
 updates, KL drift on a fixed off-task text sample).
 
 Writes DIR/results.json, DIR/table.md, DIR/reward_vs_time.png, DIR/pass_at_k.png, DIR/pareto.png and
@@ -33,17 +33,17 @@ import time
 import torch
 from transformers import TrainerCallback
 
-from .atomic import atomic_write_text
-from .cli import command_parser
-from .eval_report import plot_pareto, plot_pass_at_k, pyplot
-from .evaluation import _report, check_k, evaluate
-from .script import load_reward_funcs
-from .tasks import TASKS, get_task
+from ..evaluation import check_k, evaluate, print_progress
+from ..evaluation.report import plot_pareto, plot_pass_at_k, pyplot
+from ..tasks import TASKS, get_task
+from ..util.atomic import atomic_write_text
+from .parser import command_parser
+from .train import load_reward_funcs
 
 
 METHODS = ("es", "grpo", "grpo-es", "es-grpo")
 ES_SETTINGS = {"population_size": 8, "sigma": 5e-3, "learning_rate": 5e-3, "per_device_train_batch_size": 8}
-"""The demo's calibrated ES settings (trl_es.demo); members generate greedily unless --es-sample."""
+"""The demo's calibrated ES settings (trl_es.commands.demo); members generate greedily unless --es-sample."""
 GRPO_SETTINGS = {"learning_rate": 1e-5, "per_device_train_batch_size": 16, "num_generations": 4, "bf16": False}
 """TRL GRPOTrainer: 4 prompts × 4 completions per step, lr 1e-5 (TRL's default 1e-6 barely moves in minutes)."""
 TAUS = (1e-3, 1.5e-3, 2e-3)
@@ -115,7 +115,7 @@ def train(kind: str, model: str, output_dir: str, dataset, options) -> dict:
         trainer = GRPOTrainer(model, options.reward_funcs, args=args, train_dataset=dataset, callbacks=[budget])
         completions_per_step = args.per_device_train_batch_size
     else:
-        from . import ESConfig, ESTrainer
+        from .. import ESConfig, ESTrainer
 
         args = ESConfig(**common, **ES_SETTINGS, generation_kwargs={"do_sample": options.es_sample})
         trainer = ESTrainer(model, options.reward_funcs, args=args, train_dataset=dataset, callbacks=[budget])
@@ -184,8 +184,8 @@ def measure_updates(base_path: str, paths: dict[str, str]) -> dict:
     """Per method: relative L2 and s_τ of θ − θ_base, KL drift on OFF_TASK_TEXTS; the ES/GRPO update cosine."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .analysis import mean_token_kl, update_cosine
-    from .sparse import update_statistics
+    from ..research.analysis import mean_token_kl, update_cosine
+    from ..research.sparse import update_statistics
 
     def load(path):
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -315,7 +315,7 @@ def plot_curves(runs: list[dict], path: str) -> None:
     plt.close(figure)
 
 
-def study(options, progress=_report) -> dict:
+def study(options, progress=print_progress) -> dict:
     """Train, evaluate and measure every method (see the module docstring); returns what results.json holds."""
     task = get_task(options.task)
     k_values = check_k(options.n, options.k)
@@ -329,7 +329,7 @@ def study(options, progress=_report) -> dict:
         raise ValueError(f"--marks must be ≥ 1, got {options.marks}")
     if options.budget_minutes <= 0:
         raise ValueError(f"--budget-minutes must be > 0, got {options.budget_minutes}")
-    from .models import resolve_model
+    from ..util.models import resolve_model
 
     options.model = resolve_model(options.model)
     options.max_completion_length = options.max_completion_length or task.max_completion_length
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> dict:
     return study_seeds(options, seeds)
 
 
-def study_seeds(options, seeds: list[int], progress=_report) -> dict:
+def study_seeds(options, seeds: list[int], progress=print_progress) -> dict:
     """`study` once per seed in OUT/seed-<s>; OUT/results.json holds them, OUT/table.md their spread,
     OUT/reward_vs_time.png and OUT/pass_vs_time.png every seed's training rewards and curves."""
     out, by_seed = options.out, {}

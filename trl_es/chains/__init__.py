@@ -1,0 +1,37 @@
+"""Seed chains: a whole ES run as a few kilobytes that rebuild the trained model bitwise (`chain`: the format,
+loading and replay)."""
+
+from .chain import (
+    CHAIN_SETTINGS,
+    FILE,
+    FORMAT,
+    Base,
+    Chain,
+    Header,
+    StepRecord,
+    Tip,
+    check_resume,
+    load_base,
+    load_chain,
+    new_chain,
+    replay,
+    run_header,
+)
+
+
+__all__ = [
+    "CHAIN_SETTINGS",
+    "FILE",
+    "FORMAT",
+    "Base",
+    "Chain",
+    "Header",
+    "StepRecord",
+    "Tip",
+    "check_resume",
+    "load_base",
+    "load_chain",
+    "new_chain",
+    "replay",
+    "run_header",
+]
