@@ -126,5 +126,7 @@ def test_every_task_rewards_its_reference_answers_and_only_them():
         assert all(r < 1.0 for r in task.reward(completions=[wrong[name]] * 6, **columns)), name
         assert task.extract_answer(reference(rows[0])) is not None
     assert TASKS["mbpp"].extract_answer is None  # programs are not voted on: no Maj@K for code
-    with pytest.raises(ValueError, match="unknown task 'gsm9k'; built-in tasks: aime24, aime25, amc23, commonsenseqa, countdown"):
+    with pytest.raises(
+        ValueError, match="unknown task 'gsm9k'; built-in tasks: aime24, aime25, amc23, commonsenseqa, countdown"
+    ):
         get_task("gsm9k")
