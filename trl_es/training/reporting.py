@@ -41,12 +41,15 @@ class ReportingMixin:
         """Trainer's log record, without the loss and gradient norm ES does not have (its final summary without
         `train_loss`), with the window's metrics."""
         logs = {k: v for k, v in logs.items() if k not in ("loss", "grad_norm", "train_loss")}
+        completions = bool(self._metrics and self.args.log_completions and self._last_completions)
         if self._metrics:
             logs.update(window_means(self._metrics))
             self._metrics.clear()
-            if self.args.log_completions and self._last_completions and self.accelerator.is_main_process:
-                self._log_completions()
         super().log(logs, start_time)
+        # After the step's metrics, as GRPOTrainer does: trackers file the table under the `train/global_step`
+        # logged last, which is then this step's
+        if completions and self.accelerator.is_main_process:
+            self._log_completions()
 
     def _log_completions(self) -> None:
         """The first member's prompts, completions and rewards of the latest step, as GRPOTrainer logs its own:
