@@ -108,7 +108,7 @@ def rates(trainer, dataset, samples: int = 1) -> tuple[float, float]:
     if samples == 1:
         generation.generation_config = greedy_config(sampled)
     try:
-        completions = trainer._eval_generator("held-out")(rows, samples, list(range(len(rows) * samples)))
+        completions = trainer.rollout(rows, samples, list(range(len(rows) * samples)), key="held-out")
     finally:
         generation.generation_config = sampled
     called = sum(e.get_reward() for e in completions.environments) / len(completions.environments)

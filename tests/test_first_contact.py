@@ -23,11 +23,11 @@ def length_reward(completions, **kwargs):
 
 
 def test_a_step_prints_its_cost_and_shows_progress_per_member(tmp_path, tiny_model_dir, prompt_dataset, capsys):
-    import trl_es.training.trainer
+    import trl_es.training.population
 
     bars = []
 
-    class RecordedBar(trl_es.training.trainer.tqdm):
+    class RecordedBar(trl_es.training.population.tqdm):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             bars.append((self, kwargs["disable"]))
@@ -35,7 +35,7 @@ def test_a_step_prints_its_cost_and_shows_progress_per_member(tmp_path, tiny_mod
     args = es_config(tmp_path, max_steps=2, disable_tqdm=False)
     trainer = ESTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(trl_es.training.trainer, "tqdm", RecordedBar)
+        patch.setattr(trl_es.training.population, "tqdm", RecordedBar)
         trainer.train()
     err = capsys.readouterr().err
     assert "each ES step generates 32 completions (4 members × 4 prompts × num_generations=2" in err
@@ -69,15 +69,18 @@ def test_grpo_log_keys_with_their_meaning(tmp_path, tiny_model_dir, prompt_datas
 def test_frac_reward_zero_std_counts_the_prompts_that_cannot_rank_members():
     import torch
 
-    from trl_es.training.population import SummaryLayout, frac_reward_zero_std, summarize
+    from trl_es.generation import Completions
+    from trl_es.training.population import SummaryLayout
+
+    layout = SummaryLayout(1, 2)
 
     def member(prompt_rewards):  # one completion per prompt
         rewards = torch.tensor([[r, r] for r in prompt_rewards])
-        return summarize(sum(prompt_rewards) / 2, rewards, [1, 1], [False, False], 0.0, torch.zeros(2))
+        return layout.row(rewards, Completions(["p", "q"], ["a", "b"], [[0], [0]], [False, False]), torch.zeros(2))
 
     rows = torch.stack([member([1.0, 0.0]), member([1.0, 2.0])])  # prompt 0: both 1 (no signal); prompt 1: 0 vs 2
-    assert rows[:, SummaryLayout(1, 2).prompt_rewards].tolist() == [[1.0, 0.0], [1.0, 2.0]]
-    assert frac_reward_zero_std(rows, 1, 2) == 0.5
+    assert rows[:, layout.prompt_rewards].tolist() == [[1.0, 0.0], [1.0, 2.0]]
+    assert layout.frac_reward_zero_std(rows) == 0.5
 
 
 def test_eval_decodes_greedily_and_says_which_decoding(tmp_path, tiny_model_dir, capsys):

@@ -37,7 +37,7 @@ class NormsOnlySpace(SearchSpace):
     def from_config(cls, args, model, weights, load_model=None):
         return cls(weights, args.seed, args.population_size, args.sigma)
 
-    def ask(self, step):
+    def _ask(self, step):
         return [
             Direction(self.seed * 1000 + step * 100 + i // 2, 1 - 2 * (i % 2)) for i in range(self.population_size)
         ]
@@ -52,7 +52,7 @@ class NormsOnlySpace(SearchSpace):
             self.weights.member(member.seed, member.sign * self.sigma, self.names)
         yield route
 
-    def tell(self, members, rewards, fitness, learning_rate):
+    def _tell(self, members, rewards, fitness, learning_rate):
         pairs = [(m.seed, m.sign) for m in members]
         coefficients = update_coefficients(fitness, pairs, learning_rate, len(members))
         norm = self.weights.update(coefficients, 0.0, self.names)

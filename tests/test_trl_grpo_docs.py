@@ -179,7 +179,7 @@ def test_passing_several_rewards_sync_and_async_with_logging(tiny_model_dir, sho
                         train_dataset=dataset)  # fmt: skip
     trainer.train()
     assert "accuracy" in trainer.state.log_history[0]
-    assert {"golden_answer", "extracted_answer"} <= trainer._last_completions[3].keys()
+    assert {"golden_answer", "extracted_answer"} <= trainer.population.last_completions[3].keys()
 
 
 def deepmath_dir(tmp_path):

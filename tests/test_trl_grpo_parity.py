@@ -345,7 +345,7 @@ def test_reward_func_receives_trainer_state_log_extra_and_log_metric(models, tmp
 
     trainer = ESTrainer(models["qwen2"], reward, args=std(tmp_path, log_completions=True), train_dataset=zen())
     trainer.train()
-    assert "test_column" in trainer._last_completions[3]  # the columns of the completions table
+    assert "test_column" in trainer.population.last_completions[3]  # the columns of the completions table
     assert any("custom_accuracy" in log for log in trainer.state.log_history)
 
 

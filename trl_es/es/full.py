@@ -51,7 +51,7 @@ class FullSpace(SearchSpace):
         """The parameter groups members perturb one at a time (CoPES); None: every member perturbs all of θ."""
         return None
 
-    def ask(self, step: int) -> list[Direction]:
+    def _ask(self, step: int) -> list[Direction]:
         members = directions(self.seed, step, self.population_size, self.antithetic)
         if self.groups is None:
             return members
@@ -74,7 +74,7 @@ class FullSpace(SearchSpace):
             self.weights.member(member.seed, member.sign * self.member_scale, names)
         yield route
 
-    def tell(self, members: list[Direction], rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float):
+    def _tell(self, members: list[Direction], rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float):
         decay, valid = learning_rate * self.weight_decay, ~torch.isnan(rewards)
         pairs = [(m.seed, m.sign) for m in members]
         parts = [(None, None, list(range(len(members))))] if self.groups is None else [

@@ -259,7 +259,7 @@ class LowRankSpace(SearchSpace):
         adapters = weights.generation if args.use_vllm else None  # a VLLMWeights' engine
         return cls(weights, targets, *common, args.lowrank_members_per_call, args.es_optimizer, adapters)
 
-    def ask(self, step: int) -> list[Direction]:
+    def _ask(self, step: int) -> list[Direction]:
         return directions(self.seed, step, self.population_size, self.antithetic)
 
     def members_per_call(self, n_local: int) -> int:
@@ -282,7 +282,7 @@ class LowRankSpace(SearchSpace):
         with LowRankPopulation(self.targets, seeds, signs, self.sigma, self.rank) as route:
             yield lambda rows: route(positions[rows] if isinstance(rows, int) else [positions[i] for i in rows])
 
-    def tell(self, members: list[Direction], rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float):
+    def _tell(self, members: list[Direction], rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float):
         pairs, n_valid = [(m.seed, m.sign) for m in members], int((~torch.isnan(rewards)).sum())
         coefficients = update_coefficients(fitness, pairs, 1 / self.sigma if self.gradient else learning_rate, n_valid)
         record = {"coefficients": [[seed, c] for seed, c in coefficients.items()]}

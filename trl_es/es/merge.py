@@ -291,7 +291,7 @@ class MergeSpace(SearchSpace):
         settings = (args.merge_density, args.merge_init, args.merge_sigma, args.population_size, args.seed)
         return cls(weights, tuned, *settings)
 
-    def ask(self, step: int) -> list[torch.Tensor]:
+    def _ask(self, step: int) -> list[torch.Tensor]:
         return self.search.ask()  # the same on every process: CMA-ES is seeded
 
     def merged(self, coefficients: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -307,7 +307,7 @@ class MergeSpace(SearchSpace):
             self.weights.write(self.merged(member))
         yield route
 
-    def tell(self, members: list[torch.Tensor], rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float):
+    def _tell(self, members: list[torch.Tensor], rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float):
         rewards = rewards.clone()
         rewards[rewards.isnan()] = rewards[~rewards.isnan()].min()
         self.search.tell(members, rewards.tolist())

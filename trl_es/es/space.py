@@ -1,12 +1,16 @@
-"""The search-space protocol: what a member is, how the model evaluates it, and how the step's fitness moves θ.
+"""The search-space protocol: what a member is, how the model evaluates it, and how the step's rewards move θ.
 
 evosax's ask/tell shape. One ES step of the trainer reads
 
-    members = space.ask(step)                                   # the step's N members
+    members = space.ask(step)                                   # the step's N members, at σ_t
     with space.evaluating(call_members) as route:               # for each generate call of this process
         route(row_members); generate ...                        # batch row b is member call_members[row_members[b]]
-    ... all-reduce the rewards, shape them into fitness z ...
-    metrics, update = space.tell(members, rewards, fitness, α_t) # the update, and its seed-chain record
+    ... all-reduce the members' rewards ...
+    metrics, update = space.tell(members, rewards, α_t, center) # the update, and its seed-chain record
+
+As evosax's base strategy, the base class owns what every space shares — the update rule (`UpdateRule`): σ_t, the
+centre baseline, fitness shaping, the step without signal, the optimizer's step — and a space implements the small
+`_ask` (its members) and `_tell` (how shaped fitness moves θ).
 
 Every search space is registered in `SEARCH_SPACES` under its `name` (the `es_search_space` value and the seed
 chain's `kind`), read by ESConfig (the choices, `check_config`), the trainer (`check_setup`, `from_config`) and seed
@@ -19,12 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
+from .fitness import shape_fitness
 from .seeds import member_seed
 from .weights import WeightsBackend
 
@@ -83,6 +89,31 @@ def one_member(members: list) -> Route:
     return route
 
 
+def sigma_schedule(sigma: float, decay: float, limit: float, step: int) -> float:
+    """σ_t = max(σ·decay^t, limit), as evosax's OpenES: the noise scale of step `step`'s members (0-based)."""
+    return max(sigma * decay**step, limit)
+
+
+@dataclass
+class UpdateRule:
+    """What every search space's `tell` shares (ESConfig's ES-step fields): the σ schedule (`sigma_schedule`), the
+    fitness shaping of the members' rewards minus the centre's (`es_baseline="center"`), and, with `es_optimizer`,
+    Trainer's optimizer, which steps on the gradient estimate `_tell` writes."""
+
+    sigma: float = 1e-3
+    sigma_decay: float = 1.0
+    sigma_limit: float = 0.0
+    shaping: str = "zscore"
+    optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_config(cls, args) -> UpdateRule:
+        return cls(args.sigma, args.sigma_decay, args.sigma_limit, args.fitness_shaping)
+
+    def sigma_at(self, step: int) -> float:
+        return sigma_schedule(self.sigma, self.sigma_decay, self.sigma_limit, step)
+
+
 class SearchSpace:
     """Base class of the search spaces (see the module docstring)."""
 
@@ -90,6 +121,24 @@ class SearchSpace:
     """The `es_search_space` value that selects this space, and the `kind` of its seed chains."""
     backend: ClassVar[type] = WeightsBackend
     """The weights-backend protocol this space needs (`trl_es.es.weights`)."""
+    rule: UpdateRule = UpdateRule()
+    """The update rule `tell` applies (`build` sets the run's)."""
+
+    @classmethod
+    def build(cls, args, model: torch.nn.Module, weights, load_model: Callable, zero_stage: int | None) -> SearchSpace:
+        """The space ESConfig `args` selects for this run (`check_setup`, the weights backend it needs,
+        `from_config`), with the run's `UpdateRule`."""
+        if args.es_optimizer and zero_stage == 3:
+            raise ValueError("es_optimizer with ZeRO-3: the optimizer would step on partitioned θ; use ZeRO-2 or none")
+        cls.check_setup(args, zero_stage)
+        if not isinstance(weights, cls.backend):
+            raise ValueError(
+                f"es_search_space={cls.name!r} needs a {cls.backend.__name__} weights backend, and this run's is "
+                f"a {type(weights).__name__}"
+            )
+        space = cls.from_config(args, model, weights, load_model)
+        space.rule = UpdateRule.from_config(args)
+        return space
 
     @classmethod
     def check_config(cls, args, refuse: Callable[[str, str], None]) -> None:
@@ -106,6 +155,12 @@ class SearchSpace:
         raise NotImplementedError
 
     def ask(self, step: int) -> list:
+        """The step's members, in order, formed at σ_t (spaces without σ refuse a schedule: ESConfig's check)."""
+        if self.rule.sigma_decay != 1:
+            self.sigma = self.rule.sigma_at(step)
+        return self._ask(step)
+
+    def _ask(self, step: int) -> list:
         """The step's members, in order; each is a value only this space reads."""
         raise NotImplementedError
 
@@ -119,12 +174,32 @@ class SearchSpace:
         raise NotImplementedError
 
     def tell(
+        self, members: list, rewards: torch.Tensor, learning_rate: float, center: float | None = None
+    ) -> tuple[dict, dict | None]:
+        """The update rule: the members' `rewards` (NaN: none) minus the centre's reward `center` (when there is
+        one, and it is a number) are shaped into fitness z; rewards without spread carry no signal, so θ is
+        restored and the step records no update (None); otherwise `_tell` moves θ (or writes ĝ) and the optimizer,
+        if any, steps. Returns the step's metrics (`es/skipped_update` among them) and the update's seed-chain
+        record (`trl_es.chains.StepRecord["update"]`, "learning_rates" added when an optimizer applied it)."""
+        baseline = center if center is not None and not math.isnan(center) else 0.0
+        fitness = shape_fitness(rewards - baseline, self.rule.shaping)
+        if fitness is None:
+            self.weights.restore()
+            return {"es/update_norm": 0.0, "es/skipped_update": 1.0}, None
+        metrics, record = self._tell(members, rewards, fitness, learning_rate)
+        if self.rule.optimizer is not None:  # the optimizer applies the gradient estimate `_tell` wrote
+            rates = [group["lr"] for group in self.rule.optimizer.param_groups]
+            step_optimizer(self.rule.optimizer, self.weights.params, rates)
+            record = {**record, "learning_rates": rates}
+        return {**metrics, "es/skipped_update": 0.0}, record
+
+    def _tell(
         self, members: list, rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float
     ) -> tuple[dict, dict]:
         """Move θ with the members' shaped `fitness` (and raw `rewards`, NaN for none), or, with `gradient` (the
-        `es_optimizer` mode), write −ĝ into the parameters' `.grad` for the optimizer the trainer steps next.
-        Returns the step's metrics (`es/update_norm` = ‖Δθ‖₂, or `es/gradient_norm` = ‖ĝ‖₂) and the update's seed
-        chain record (`trl_es.chains.StepRecord["update"]`): what `replayer` needs to apply it again."""
+        `es_optimizer` mode), write −ĝ into the parameters' `.grad` for the optimizer `tell` steps next. Returns the
+        step's metrics (`es/update_norm` = ‖Δθ‖₂, or `es/gradient_norm` = ‖ĝ‖₂) and the update's record: what
+        `replayer` needs to apply it again."""
         raise NotImplementedError
 
     def chain_header(self) -> dict:

@@ -26,6 +26,8 @@ import torch
 
 from ..es.seeds import completion_seeds, eval_seed
 from ..es.weights import weights_hash
+from ..rewards import RewardFunctions
+from ..rollout import PlainRollout, Rollout
 from ..tasks import SUCCESS_THRESHOLD, Task, get_task
 from ..tasks.data import completion_text
 from ..util.atomic import atomic_write_text
@@ -51,19 +53,8 @@ def score_problems(rows: list[dict], correct: list[bool], answers: list | None, 
     return sums
 
 
-def plain_generate(generation, record_entropy: bool = True) -> Callable:
-    """`generate(rows, n, seeds)` for `evaluate_batch`: one batched call of a generation backend on the rows'
-    prompts."""
-
-    def generate(rows: list[dict], n: int, seeds: list[int]):
-        prompts = [row["prompt"] for row in rows]
-        return generation.generate(prompts, generation.tokenize(prompts), n, seeds, record_entropy)
-
-    return generate
-
-
 def evaluate_batch(
-    generate: Callable,
+    rollout: Rollout,
     rows: list[dict],
     n: int,
     seed: int,
@@ -71,13 +62,15 @@ def evaluate_batch(
     k_values: list[int],
     extract: Callable[[str], str | None] | None = None,
     success_threshold: float = SUCCESS_THRESHOLD,
+    key=None,
 ) -> dict:
-    """One batch of problems: n completions per row from `generate(rows, n, seeds)` (`plain_generate`, or an agent
-    run's episodes; completion seeds from the batch's `seed`), rewarded by `rewards_of(rows, completions)` (a
+    """One batch of problems: n completions per row of θ from the `rollout` (completion seeds from the batch's
+    `seed`; an agent run's environments reset under `key`), rewarded by `rewards_of(rows, completions)` (a
     tensor, NaN = no reward); a completion is correct when its reward is ≥ `success_threshold`. Returns the batch's
     record: the problems' summed Pass@K (and Maj@K over the answers `extract` finds), the sums of rewards, tokens
     and token entropies, and each completion's verdict and answer."""
-    result = generate(rows, n, completion_seeds(seed, len(rows), n))
+    seeds = completion_seeds(seed, len(rows), n)
+    result = rollout(rows, n, seeds, key=key, record_entropy=rollout.records_entropy)
     rewards = torch.as_tensor(rewards_of(rows, result), dtype=torch.float64)
     correct = (rewards >= success_threshold).tolist()
     answers = [extract(completion_text(c)) for c in result.completions] if extract else None
@@ -168,7 +161,9 @@ def evaluate_model(
         record.update(score_problems(range(record["problems"]), record["correct"], record["answers"], n, k_values))
     decoding = {name: settings[name] for name in ("do_sample", "temperature", "top_p", "top_k")}
     config = decoding_config(tokenizer, eos_ids, settings["max_completion_length"], **decoding)
-    generation = TransformersGeneration(model, tokenizer, config, eos_ids)
+    rollout = PlainRollout(TransformersGeneration(model, tokenizer, config, eos_ids))
+    rewards = RewardFunctions(task.reward)
+    rewards_of = lambda rows, completions: rewards.combine(rewards.score(rows, completions))  # noqa: E731
     start = time.perf_counter()
     with open(records_path, "a") as out:
         if not done:
@@ -178,15 +173,8 @@ def evaluate_model(
                 continue
             rows = dataset.select(range(b * batch_size, min((b + 1) * batch_size, len(dataset)))).to_list()
             with torch.no_grad():
-                record = evaluate_batch(
-                    plain_generate(generation),
-                    rows,
-                    n,
-                    eval_seed(settings["seed"], 0, b * batch_size),
-                    task_rewards(task, n),
-                    k_values,
-                    task.extract_answer,
-                )
+                seed = eval_seed(settings["seed"], 0, b * batch_size)
+                record = evaluate_batch(rollout, rows, n, seed, rewards_of, k_values, task.extract_answer)
             done[b] = {"batch": b, **record}
             out.write(json.dumps(done[b]) + "\n")
             out.flush()
@@ -197,19 +185,6 @@ def evaluate_model(
                 f"{time.perf_counter() - start:.0f} s, Pass@1 so far {running:.3f}"
             )
     return summarize_records(list(done.values()), k_values, maj=task.extract_answer is not None)
-
-
-def task_rewards(task: Task, n: int) -> Callable:
-    """`rewards_of(rows, completions)` for `evaluate_batch`: the task's reward (None → NaN) with its answer columns."""
-
-    def rewards_of(rows: list[dict], result) -> list[float]:
-        columns = {c: [row[c] for row in rows for _ in range(n)] for c in task.answer_columns}
-        rewards = task.reward(
-            prompts=result.prompts, completions=result.completions, completion_ids=result.completion_ids, **columns
-        )
-        return [float("nan") if r is None else r for r in rewards]
-
-    return rewards_of
 
 
 def _read_records(

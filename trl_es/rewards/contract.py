@@ -102,10 +102,20 @@ class RewardFunctions:
         model_init_kwargs: dict | None = None,
         trust_remote_code: bool = False,
         chat_template_kwargs: dict | None = None,
+        owned: list[Callable] = (),
     ):
+        """`owned`: reward functions of the rollout's own (environments' `get_reward`), weight 1, after the user's,
+        as GRPOTrainer adds them."""
         funcs = (
             [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs]
         )
+        if reward_weights is not None and len(reward_weights) != len(funcs):
+            raise ValueError(
+                f"Number of reward weights ({len(reward_weights)}) must match number of reward functions ({len(funcs)})"
+            )
+        if reward_weights is not None:
+            reward_weights = [*reward_weights, *[1.0] * len(owned)]
+        funcs += list(owned)
         if not funcs:
             raise ValueError(
                 "No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose environment defines "
@@ -123,10 +133,6 @@ class RewardFunctions:
             for f in funcs
         ]
 
-        if reward_weights is not None and len(reward_weights) != len(funcs):
-            raise ValueError(
-                f"Number of reward weights ({len(reward_weights)}) must match number of reward functions ({len(funcs)})"
-            )
         self.reward_weights = torch.tensor(reward_weights or [1.0] * len(funcs), dtype=torch.float32)
 
         self.processing_classes = _reward_tokenizers(funcs, reward_processing_classes, trust_remote_code)
@@ -248,6 +254,23 @@ class RewardFunctions:
             for (i, _), output in zip(pending, outputs, strict=True):
                 rewards[:, i] = torch.tensor(self._check(output, self.names[i], len(prompts)))
         return rewards
+
+    def score(self, rows: list[dict], completions, **context) -> torch.Tensor:
+        """Each function's rewards of `completions` (a `trl_es.generation.Completions` of the prompts of `rows`, each
+        repeated as generated), every completion given its dataset row, a rollout's extra fields and, in agent runs,
+        its environment; `context` as in `__call__`."""
+        repeats = len(completions.completions) // len(rows)
+        context = {"log_metric": lambda *_: None, "log_extra": lambda *_: None, **context}
+        if completions.environments is not None:
+            context["environments"] = completions.environments
+        return self(
+            [row for row in rows for _ in range(repeats)],
+            completions.prompts,
+            completions.completions,
+            completions.completion_ids,
+            completions.extras,
+            **context,
+        )
 
     def combine(self, rewards: torch.Tensor) -> torch.Tensor:
         """Per-completion reward: Σ_f w_f·r_f over the non-NaN r_f; NaN when every function returned None."""

@@ -1,6 +1,6 @@
-"""Agent episodes: tools, environments and rollout functions, taken as GRPOTrainer takes them.
+"""Agent episodes: tools and environments, taken as GRPOTrainer takes them.
 
-`ESTrainer(..., tools=[...], environment_factory=..., rollout_func=...)` with GRPOTrainer's contracts (TRL's
+`ESTrainer(..., tools=[...], environment_factory=...)` with GRPOTrainer's contracts (TRL's
 `grpo_trainer.py`, whose helpers are imported: `supports_tool_calling`, `add_response_schema`, the prefix-preserving
 template check, `parse_response`, the tool-result suffix):
 
@@ -13,8 +13,6 @@ template check, `parse_response`, the tool-result suffix):
   with `reset(**row)` (a returned string is appended to the last user message), public methods that become tools,
   and optionally `get_reward()`, an environment-owned reward (weight 1, named after the class). One instance per
   episode, from a pool: constructed once, reset often.
-- `rollout_func(prompts, trainer)`: the user's own generation; returns `prompt_ids`, `completion_ids`, `logprobs`
-  and any extra per-completion fields (passed to the reward functions; `env_mask` marks the model's tokens).
 
 What ES adds: an episode is (member, prompt, generation), and the member stays formed for every turn of its
 episodes (the `evaluating` context spans the episode loop; batched low-rank members are routed row by row at every
@@ -44,16 +42,12 @@ from trl.chat_template_utils import (
     is_chat_template_prefix_preserving,
     supports_tool_calling,
 )
-from trl.data_utils import is_conversational
 from trl.trainer.utils import is_async_callable, shutdown_event_loop_in_daemon, start_event_loop_in_daemon
 
 from ..es.seeds import derive_seed, environment_seed
 from ..generation import Completions
 from ..util.compat import parse_response, tool_suffix_ids
 
-
-ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
-"""What a `rollout_func` must return, as in GRPOTrainer."""
 
 TOOL_TEMPLATE_HINT = (
     "set a tool-capable chat template on the tokenizer (processing_class), e.g. TRL's Qwen2.5 template: "
@@ -127,34 +121,21 @@ class Episode:
 
 
 class Agents:
-    """The tools, environments or rollout function of a run (see the module docstring), checked at construction as
-    GRPOTrainer checks them; `run` plays one generate call's episodes."""
+    """The tools and environments of a run (see the module docstring), checked at construction as GRPOTrainer checks
+    them; a rollout (`trl_es.rollout.Rollout`) over `generation` whose calls play episodes (`run`)."""
 
-    def __init__(
-        self,
-        tokenizer,
-        args,
-        tools: list[Callable] | None = None,
-        environment_factory=None,
-        rollout_func: Callable | None = None,
-        max_model_length: int | None = None,
-    ):
-        if rollout_func is not None and (tools or environment_factory is not None):
-            raise ValueError(
-                "rollout_func generates the completions itself, so the trainer runs no tool loop: pass rollout_func, or "
-                "tools / an environment_factory, not both"
-            )
-        if args.log_completion_entropy:
-            raise ValueError(
-                "ESConfig.log_completion_entropy is not recorded for agent episodes (tools, environments, rollout_func)"
-            )
-        self.tokenizer, self.args, self.rollout_func = tokenizer, args, rollout_func
+    batches_members = True
+    records_entropy = False
+    generation = None  # the generation backend, given by `make_rollout`
+
+    def __init__(self, tokenizer, args, tools: list[Callable] | None = None, environment_factory=None):
+        self.tokenizer, self.args = tokenizer, args
         self.standalone_tools = list(tools or [])
         self.factories = None
         self.multi_environment = isinstance(environment_factory, dict)
         if environment_factory is not None:
             self.factories = environment_factory if self.multi_environment else {None: environment_factory}
-        self.max_model_length = max_model_length
+        self.max_model_length = None
         self.max_iterations = args.max_tool_calling_iterations
         self.environment_tools: dict = {}  # environment name → the tools its episodes are rendered with
         self.pool: dict = {}  # environment name → reusable instances
@@ -196,11 +177,6 @@ class Agents:
     def environments(self) -> bool:
         return self.factories is not None
 
-    @property
-    def generates_itself(self) -> bool:
-        """Whether generation is the user's `rollout_func`."""
-        return self.rollout_func is not None
-
     def check_reproducible(self, row: dict, seed: int) -> None:
         """Reset two new instances of each environment under one seed with `row` and compare what they return: an
         environment whose resets differ gets one warning saying what it breaks."""
@@ -227,6 +203,10 @@ class Agents:
         return {k: v for k, v in row.items() if k != "environment"} if self.multi_environment else row
 
     # ---- one generate call --------------------------------------------------------------------------------------
+
+    def __call__(self, rows, n, seeds, n_members=1, route=None, key=None, record_entropy=False) -> Completions:
+        """The `Rollout` call: `run` with this rollout's generation backend."""
+        return self.run(rows, n_members, n, seeds, key, route or (lambda members: None), self.generation)
 
     def run(self, rows: list[dict], n_members: int, n: int, seeds: list[int], key, route, generation):
         """The episodes of one generate call: `n_members` members × `rows` × `n` generations, member-major, the
@@ -269,54 +249,6 @@ class Agents:
             environments=[e.environment for e in episodes],
             tool_calls=[e.tool_calls for e in episodes],
             tool_failures=[e.tool_failures for e in episodes],
-        )
-
-    def run_rollout_func(self, rows: list[dict], n: int, trainer, generation) -> Completions:
-        """One member's completions from the user's `rollout_func(prompts, trainer)`, each prompt repeated `n` times
-        as GRPOTrainer's batches are; its extra fields go to the reward functions, its `env_mask` marks the model's
-        tokens."""
-        prompts = [row["prompt"] for row in rows for _ in range(n)]
-        output = self.rollout_func(copy.deepcopy(prompts), trainer)
-        missing = sorted(set(ROLLOUT_KEYS) - set(output))
-        if missing:
-            raise ValueError(f"rollout_func must return keys {missing} in its output dict.")
-        extras = {key: list(values) for key, values in output.items() if key not in ROLLOUT_KEYS}
-        mask = extras.pop("env_mask", None)
-        ids = [list(map(int, row)) for row in output["completion_ids"]]
-        for key, values in {
-            "completion_ids": ids,
-            **extras,
-            **({"env_mask": mask} if mask is not None else {}),
-        }.items():
-            if len(values) != len(prompts):
-                raise ValueError(
-                    f"rollout_func returned {len(values)} {key!r} for {len(prompts)} prompts (one per prompt × "
-                    f"num_generations)"
-                )
-        eos = set(generation.eos_token_ids)
-        if is_conversational({"prompt": prompts[0]}) and self._parses_responses:
-            completions = [
-                [parse_response(self.tokenizer, row, prefix=list(prefix))]
-                for row, prefix in zip(ids, output["prompt_ids"], strict=True)
-            ]
-        elif is_conversational({"prompt": prompts[0]}):
-            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-            completions = [[{"role": "assistant", "content": text}] for text in texts]
-        else:
-            completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        return Completions(
-            prompts=prompts,
-            completions=completions,
-            completion_ids=ids,
-            truncated=[bool(row) and row[-1] not in eos for row in ids],
-            tool_mask=None if mask is None else [list(row) for row in mask],
-            extras=extras,
-        )
-
-    @property
-    def _parses_responses(self) -> bool:
-        return any(
-            getattr(self.tokenizer, name, None) is not None for name in ("response_template", "response_schema")
         )
 
     def _instance(self, name, handed: dict):

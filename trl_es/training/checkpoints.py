@@ -19,7 +19,6 @@ run writing into the same directory is refused rather than mixing its checkpoint
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import shutil
 import tempfile
@@ -28,8 +27,8 @@ from transformers.trainer_utils import rotate_checkpoints
 from trl.trainer.utils import get_config_model_id
 
 from ..chains import FILE as CHAIN_FILE
-from ..chains import Chain, check_resume, load_chain, run_header
-from ..es.weights import weights_hash
+from ..chains import Chain
+from ..chains.recorder import ChainRecorder
 from ..research import sparse
 from ..util.atomic import atomic_directory, atomic_write_text, publish_directory
 from .reporting import window_means
@@ -89,44 +88,14 @@ class SavingMixin:
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Trainer's checkpoint loading (under ZeRO-3 into the gathered θ, keeping this process's slice), then the
-        weights backend and the search space take the checkpoint's state."""
-        if not os.path.isfile(os.path.join(resume_from_checkpoint, CHAIN_FILE)):
-            raise ValueError(
-                f"{resume_from_checkpoint} is not an ESTrainer checkpoint (it has no {CHAIN_FILE}; a GRPOTrainer "
-                "checkpoint?): ES cannot resume another trainer's optimizer and schedule. To start ES from its weights, "
-                f"pass it as the model: ESTrainer(model={resume_from_checkpoint!r}, ...)"
-            )
+        seed chain, the weights backend and the search space take the checkpoint's state."""
+        ChainRecorder.require(resume_from_checkpoint)
         with self._full_parameters():
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             self.processes.write_shards(self.model.parameters())
-            self.chain = load_chain(resume_from_checkpoint)
-            self._check_checkpoint(resume_from_checkpoint)
+            self.chain_recorder.resume(resume_from_checkpoint)
         self.weights.loaded(resume_from_checkpoint)
         self.space.load_state(resume_from_checkpoint)
-
-    def _check_checkpoint(self, checkpoint: str) -> None:
-        """The checkpoint's parts belong together and to this run: its weights (and optimizer state) are those its
-        chain was saved with, and this run would record the same kind of updates (`chains.check_resume`)."""
-        check_resume(self.chain, run_header(self.args, self.es_params, self.space, None), checkpoint)
-        tip = self.chain.tip or {}
-        if "weights_sha256" in tip and weights_hash(self.es_params) != tip["weights_sha256"]:
-            raise ValueError(
-                f"{checkpoint}: its {CHAIN_FILE} was saved with other weights than the checkpoint's (a file copied from "
-                "another run?): the chain would not rebuild this model"
-            )
-        optimizer = os.path.join(checkpoint, "optimizer.pt")
-        if "optimizer_sha256" in tip and not (
-            os.path.isfile(optimizer) and file_sha256(optimizer) == tip["optimizer_sha256"]
-        ):
-            raise ValueError(f"{checkpoint}: optimizer.pt is not the optimizer state its {CHAIN_FILE} was saved with")
-
-    def _chain_tip(self, folder: str) -> dict:
-        """What the weights saved in `folder` are, for the chain saved beside them."""
-        tip = {"weights_sha256": weights_hash(self.es_params)}
-        optimizer = os.path.join(folder, "optimizer.pt")
-        if self.args.es_optimizer and os.path.isfile(optimizer):
-            tip["optimizer_sha256"] = file_sha256(optimizer)
-        return tip
 
     _staging_checkpoint = False
 
@@ -161,13 +130,11 @@ class SavingMixin:
             super()._save_checkpoint(model, trial)
         finally:
             self._staging_checkpoint = False
-        if self.chain is not None:
-            with self._full_parameters():  # every process takes part in gathering θ under ZeRO-3
-                tip = self._chain_tip(staging)
+        with self._full_parameters():  # every process takes part in gathering θ under ZeRO-3
+            tip = self.chain_recorder.tip(staging)
         if self.args.should_save:
             self.space.save_state(staging)
-            if self.chain is not None:
-                self.chain.save(staging, tip)
+            self.chain_recorder.save(staging, tip)
         self.accelerator.wait_for_everyone()  # every process's files (e.g. its RNG state) are in
         if self.args.should_save:
             publish_directory(staging, os.path.join(run_dir, name))
@@ -187,8 +154,7 @@ class SavingMixin:
             else:
                 with atomic_directory(output_dir) as staging:
                     super().save_model(staging, _internal_call=True)  # Trainer pushes below, once published
-                    if self.chain is not None:
-                        self.chain.save(staging, self._chain_tip(staging))
+                    self.chain_recorder.save(staging, self.chain_recorder.tip(staging))
                     if self.args.sparse_delta_tau is not None:
                         self._sparse_delta_card = sparse.write_model_delta(
                             self.model, staging, self.args.sparse_delta_tau
@@ -213,7 +179,7 @@ class SavingMixin:
             return
         path = os.path.join(args.output_dir, "README.md")
         with open(path, encoding="utf-8") as card:
-            text = card.read().replace("[None](https://huggingface.co/None)", f"`{self._model_source}`")
+            text = card.read().replace("[None](https://huggingface.co/None)", f"`{self.chain_recorder.model_source}`")
         settings = {
             "base model": get_config_model_id(self.model.config),
             **{name: getattr(args, name) for name in MODEL_CARD_FIELDS},
@@ -249,14 +215,6 @@ class SavingMixin:
                 card.write(chain_card(self.chain, repo_id, os.path.getsize(os.path.join(folder, CHAIN_FILE))))
             return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message,
                                      revision=revision or self.args.hub_revision)  # fmt: skip
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def chain_card(chain: Chain, repo_id: str, size: int) -> str:

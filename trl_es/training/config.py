@@ -17,6 +17,7 @@ from trl.trainer.grpo_config import GRPOConfig
 from ..es import SEARCH_SPACES
 from ..es.fitness import SHAPINGS
 from ..es.noise import CHUNK, MAX_TABLE_SIZE
+from ..es.space import sigma_schedule
 from .grpo_fields import check_grpo_only_fields, grpo_only_fields_class
 
 
@@ -457,7 +458,7 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
 
     def sigma_at(self, step: int) -> float:
         """σ_t = max(σ·sigma_decay^t, sigma_limit): the noise scale of step `step`'s members (0-based)."""
-        return max(self.sigma * self.sigma_decay**step, self.sigma_limit)
+        return sigma_schedule(self.sigma, self.sigma_decay, self.sigma_limit, step)
 
     def _refuse(self, name: str, why: str):
         raise ValueError(f"ESConfig.{name}={getattr(self, name)!r} is invalid: {why}")

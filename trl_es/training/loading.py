@@ -3,13 +3,17 @@ tokenizer, and the prompt datasets (an agent run's included)."""
 
 from __future__ import annotations
 
-from datasets import Dataset
+import warnings
+
+from datasets import Dataset, IterableDataset
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
-from trl.trainer.utils import disable_dropout_in_model
+from trl.trainer.grpo_config import GRPOConfig
+from trl.trainer.utils import disable_dropout_in_model, get_config_model_id
 
 from ..util.compat import is_peft_model
 from ..util.models import add_adapter, eos_token_ids, load_starting_model, load_tokenizer, resolve_model
+from .config import ESConfig
 
 
 logger = logging.get_logger(__name__)
@@ -108,10 +112,34 @@ def check_eval_dataset(eval_dataset, train_dataset) -> None:
         )
 
 
-def agent_dataset(dataset, args, environment_factory):
+def check_args(args, model) -> ESConfig:
+    """ESTrainer's `args`: an ESConfig (by default named after the model, as GRPOTrainer's), never a GRPOConfig."""
+    if args is None:
+        name = model if isinstance(model, str) else get_config_model_id(model.config)
+        return ESConfig(f"{str(name).rstrip('/').split('/')[-1]}-ES")
+    if isinstance(args, GRPOConfig):
+        raise TypeError(
+            "`args` is a GRPOConfig: ESTrainer takes an ESConfig. Convert it with "
+            "ESConfig.from_grpo_config(args, population_size=..., sigma=..., learning_rate=...), which keeps its "
+            "fields (docs/migrating_from_grpo.md)"
+        )
+    if not isinstance(args, ESConfig):
+        raise TypeError(f"`args` must be an ESConfig, got {type(args).__name__}")
+    return args
+
+
+def training_dataset(dataset, args, environment_factory):
     """The training dataset, checked as GRPOTrainer checks it. An environment may own the data: without a dataset,
     `per_device_train_batch_size` rows of an empty user prompt (which each episode's `reset` fills) drive the run,
-    and `max_steps` sets its length; with one, the `prompt` column is optional (an empty user prompt)."""
+    and `max_steps` sets its length; with one, the `prompt` column is optional (an empty user prompt). An iterable
+    dataset is read with `dataloader_num_workers=0`, as GRPOTrainer reads it (each worker would read the whole
+    stream)."""
+    if isinstance(dataset, IterableDataset) and args.dataloader_num_workers:
+        warnings.warn(
+            f"dataloader_num_workers={args.dataloader_num_workers} is set to 0 for an iterable train dataset",
+            stacklevel=3,
+        )
+        args.dataloader_num_workers = 0
     if environment_factory is None:
         if dataset is None:
             raise ValueError("`train_dataset` is required unless an `environment_factory` is provided.")

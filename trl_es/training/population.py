@@ -1,17 +1,25 @@
-"""What each evaluated member reports, and the step's metrics computed from it.
+"""A step's population on this process, and the summary row that carries each member's results to every process.
 
-Each slot of the population (the centre, a member) is summarised in one row of float64 numbers (`summarize`); the
-rows of all processes are summed by one all-reduce (`trl_es.training.distributed`). Logged metrics are computed from these
-rows with the same formulas whatever the number of processes, so 1 process and K processes log the same numbers.
+Each slot of the population (the centre, a member) is summarised in one row of float64 numbers, whose layout,
+writing and reading `SummaryLayout` alone owns; the rows of all processes are summed by one all-reduce
+(`trl_es.training.distributed`). Logged metrics are computed from these rows with the same formulas whatever the
+number of processes, so 1 process and K processes log the same numbers. `Population` evaluates this process's
+slots: it forms each member (the search space), generates (the rollout), scores (the reward functions) and writes
+the member's row.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from tqdm.auto import tqdm
 
+from ..es.seeds import completion_seeds, sampling_seed
 from ..evaluation.metrics import js_diversity
 
 
@@ -61,54 +69,116 @@ class SummaryLayout:
     def width(self) -> int:
         return self.tools.stop + 2 * self.n_prompts
 
+    def row(self, rewards: torch.Tensor, completions, success: torch.Tensor, prompt_tokens: int = 0) -> torch.Tensor:
+        """One slot's row. `rewards` is (completions, 1 + F): the combined reward, then each function's (NaN = none),
+        completions prompt-major; the member reward R is the combined reward's mean. `completions` (a
+        `trl_es.generation.Completions`) gives the lengths, truncations, token entropies and tool calls; `success`
+        (prompts,) each prompt's share of successful completions."""
+        member_reward = rewards[:, 0].contiguous().nanmean().item()  # a column view would sum in another order
+        rewards = rewards.double()
+        valid = ~torch.isnan(rewards)
+        zeroed = rewards.nan_to_num(0.0)
+        moments = torch.stack([zeroed.sum(0), valid.sum(0).double(), zeroed.square().sum(0)], dim=1).flatten()
+        lengths = torch.tensor(completions.lengths, dtype=torch.float64)
+        terminated = lengths[~torch.tensor(completions.truncated, dtype=torch.bool)]
+        ended = [terminated.sum(), terminated.min(), terminated.max()] if terminated.numel() else [0.0, 0.0, 0.0]
+        entropy = sum(completions.entropy_sums) if completions.entropy_sums else 0.0
+        tail = torch.tensor(
+            [lengths.sum(), lengths.min(), lengths.max(), len(lengths), sum(completions.truncated), entropy, *ended,
+             prompt_tokens, sum(completions.tool_calls or ()), sum(completions.tool_failures or ())],
+            dtype=torch.float64,
+        )  # fmt: skip
+        prompt_rewards = rewards[:, 0].view(success.numel(), -1).nanmean(1)
+        return torch.cat(
+            [torch.tensor([member_reward], dtype=torch.float64), moments, tail, prompt_rewards, success.double()]
+        )
 
-def summarize(
-    member_reward: float,
-    rewards: torch.Tensor,
-    lengths: list[int],
-    truncated: list[bool],
-    entropy_sum: float,
-    success: torch.Tensor,
-    tool_calls: int = 0,
-    tool_failures: int = 0,
-    prompt_tokens: int = 0,
-) -> torch.Tensor:
-    """One slot's row (`SummaryLayout`). `rewards` is (completions, 1 + F): the combined reward, then each
-    function's (NaN = none), completions prompt-major; `success` is (prompts,), each prompt's share of successful
-    completions."""
-    rewards = rewards.double()
-    valid = ~torch.isnan(rewards)
-    zeroed = rewards.nan_to_num(0.0)
-    moments = torch.stack([zeroed.sum(0), valid.sum(0).double(), zeroed.square().sum(0)], dim=1).flatten()
-    lengths_t = torch.tensor(lengths, dtype=torch.float64)
-    terminated = lengths_t[~torch.tensor(truncated, dtype=torch.bool)]
-    ended = [terminated.sum(), terminated.min(), terminated.max()] if terminated.numel() else [0.0, 0.0, 0.0]
-    tail = torch.tensor(
-        [lengths_t.sum(), lengths_t.min(), lengths_t.max(), len(lengths), sum(truncated), entropy_sum, *ended,
-         prompt_tokens, tool_calls, tool_failures],
-        dtype=torch.float64,
-    )  # fmt: skip
-    prompt_rewards = rewards[:, 0].view(success.numel(), -1).nanmean(1)
-    return torch.cat(
-        [torch.tensor([member_reward], dtype=torch.float64), moments, tail, prompt_rewards, success.double()]
-    )
+    def member_rewards(self, summaries: torch.Tensor, weights: torch.Tensor, aggregation: str) -> torch.Tensor:
+        """R_i of each member's row (NaN: no reward). 'sum_then_normalize': the mean over its completions of the
+        weighted sum of the reward functions (then fitness shaping normalizes across members). 'normalize_then_sum':
+        each function's mean over the member's completions, z-scored across the members with one, then summed with
+        `weights` (a function without spread counts 0)."""
+        if aggregation == "sum_then_normalize":
+            return summaries[:, self.reward]
+        sums = torch.stack([summaries[:, self.moments(k + 1)][:, 0] for k in range(weights.numel())], dim=1)
+        counts = torch.stack([summaries[:, self.moments(k + 1)][:, 1] for k in range(weights.numel())], dim=1)
+        means = sums / counts  # NaN where a member has no reward from that function
+        normalized = (means - means.nanmean(0)) / _nanstd(means).clamp_min(1e-8)
+        total = (normalized.nan_to_num(0.0) * weights.double()).sum(1)
+        total[torch.isnan(means).all(1)] = math.nan
+        return total
 
+    def tokens(self, summaries: torch.Tensor) -> int:
+        """The prompt and completion tokens the slots saw (a prompt's once per completion)."""
+        return int(summaries[:, self.length("prompt_tokens")].sum() + summaries[:, self.length("sum")].sum())
 
-def member_rewards(summaries: torch.Tensor, weights: torch.Tensor, aggregation: str) -> torch.Tensor:
-    """R_i of each member's summary row (NaN: no reward). 'sum_then_normalize': the mean over its completions of the
-    weighted sum of the reward functions (then fitness shaping normalizes across members). 'normalize_then_sum':
-    each function's mean over the member's completions, z-scored across the members with one, then summed with
-    `weights` (a function without spread counts 0)."""
-    layout = SummaryLayout(weights.numel(), 0)
-    if aggregation == "sum_then_normalize":
-        return summaries[:, layout.reward]
-    sums = torch.stack([summaries[:, layout.moments(k + 1)][:, 0] for k in range(weights.numel())], dim=1)
-    counts = torch.stack([summaries[:, layout.moments(k + 1)][:, 1] for k in range(weights.numel())], dim=1)
-    means = sums / counts  # NaN where a member has no reward from that function
-    normalized = (means - means.nanmean(0)) / _nanstd(means).clamp_min(1e-8)
-    total = (normalized.nan_to_num(0.0) * weights.double()).sum(1)
-    total[torch.isnan(means).all(1)] = math.nan
-    return total
+    def metrics(
+        self,
+        summaries: torch.Tensor,
+        function_names: list[str],
+        entropy: bool = False,
+        diversity: bool = False,
+        tools: bool = False,
+    ) -> dict[str, float]:
+        """GRPOTrainer-named metrics (reward, reward_std, rewards/<f>/mean|std, frac_reward_zero_std, completions/*)
+        over the members' rows, and the spread of the member rewards R_i (es/population_reward_min|max|std); with
+        `entropy`, also the mean token entropy of their completions (`completions/mean_token_entropy`, nats); with
+        `diversity`, their JS diversity (`es/population_diversity`); with `tools`, tools/call_frequency and
+        tools/failure_frequency."""
+        metrics = {}
+        rewards = summaries[:, self.reward][~torch.isnan(summaries[:, self.reward])]
+        if rewards.numel():
+            metrics["es/population_reward_min"] = rewards.min().item()
+            metrics["es/population_reward_max"] = rewards.max().item()
+            metrics["es/population_reward_std"] = rewards.std(unbiased=False).item()
+        metrics["frac_reward_zero_std"] = self.frac_reward_zero_std(summaries)
+        if diversity:
+            metrics["es/population_diversity"] = self.diversity(summaries)
+        for k, key in enumerate([None, *function_names]):
+            columns = self.moments(k)
+            total, count, squares = (float(summaries[:, c].sum()) for c in range(columns.start, columns.stop))
+            mean, std = _mean_std(total, count, squares)
+            prefix = "reward" if key is None else f"rewards/{key}/"
+            metrics[prefix + ("" if key is None else "mean")] = mean
+            metrics[prefix + ("_std" if key is None else "std")] = std
+        column = lambda name: summaries[:, self.length(name)]  # noqa: E731
+        length_sum, n_completions = float(column("sum").sum()), float(column("count").sum())
+        metrics["completions/mean_length"] = length_sum / n_completions
+        metrics["completions/min_length"] = float(column("min").min())
+        metrics["completions/max_length"] = float(column("max").max())
+        n_truncated = float(column("truncated").sum())
+        metrics["completions/clipped_ratio"] = n_truncated / n_completions
+        ended = (column("count") - column("truncated")) > 0  # the slots with a terminated completion
+        metrics["completions/mean_terminated_length"] = (
+            float(column("terminated_sum").sum()) / (n_completions - n_truncated) if ended.any() else 0.0
+        )  # as GRPOTrainer: 0 when every completion was cut
+        metrics["completions/min_terminated_length"] = (
+            float(column("terminated_min")[ended].min()) if ended.any() else 0.0
+        )
+        metrics["completions/max_terminated_length"] = (
+            float(column("terminated_max")[ended].max()) if ended.any() else 0.0
+        )
+        if entropy:
+            metrics["completions/mean_token_entropy"] = float(column("entropy").sum()) / max(length_sum, 1.0)
+        if tools:  # as GRPOTrainer: calls per completion, failures per call
+            calls, failures = (
+                float(summaries[:, self.tools.start].sum()),
+                float(summaries[:, self.tools.start + 1].sum()),
+            )
+            metrics["tools/call_frequency"] = calls / n_completions
+            metrics["tools/failure_frequency"] = failures / calls if calls else 0.0
+        return metrics
+
+    def frac_reward_zero_std(self, summaries: torch.Tensor) -> float:
+        """GRPOTrainer's `frac_reward_zero_std` for ES: the share of the step's prompts on which every member's mean
+        reward is the same (NaN ones left out), so that the prompt cannot rank the members."""
+        std = _nanstd(summaries[:, self.prompt_rewards])
+        return float(torch.isclose(std, torch.zeros_like(std)).double().mean())
+
+    def diversity(self, summaries: torch.Tensor) -> float:
+        """Verifier-projected JS diversity (`trl_es.evaluation.metrics.js_diversity`) of the members' per-prompt
+        success."""
+        return js_diversity(summaries[:, self.success])
 
 
 def _nanstd(values: torch.Tensor) -> torch.Tensor:
@@ -127,72 +197,6 @@ def _mean_std(total: float, count: float, squares: float) -> tuple[float, float]
     return mean, math.sqrt(max(squares - total * total / count, 0.0) / (count - 1))
 
 
-def population_metrics(
-    summaries: torch.Tensor,
-    function_names: list[str],
-    n_prompts: int,
-    entropy: bool = False,
-    diversity: bool = False,
-    tools: bool = False,
-) -> dict[str, float]:
-    """GRPOTrainer-named metrics (reward, reward_std, rewards/<f>/mean|std, frac_reward_zero_std, completions/*)
-    over the members' rows on the step's `n_prompts` prompts, and the spread of the member rewards R_i
-    (es/population_reward_min|max|std); with `entropy`, also the mean token entropy of their completions
-    (`completions/mean_token_entropy`, nats); with `diversity`, their JS diversity (`es/population_diversity`)."""
-    metrics, layout = {}, SummaryLayout(len(function_names), n_prompts)
-    rewards = summaries[:, layout.reward][~torch.isnan(summaries[:, layout.reward])]
-    if rewards.numel():
-        metrics["es/population_reward_min"] = rewards.min().item()
-        metrics["es/population_reward_max"] = rewards.max().item()
-        metrics["es/population_reward_std"] = rewards.std(unbiased=False).item()
-    metrics["frac_reward_zero_std"] = frac_reward_zero_std(summaries, len(function_names), n_prompts)
-    if diversity:
-        metrics["es/population_diversity"] = population_diversity(summaries, n_prompts)
-    for k, key in enumerate([None, *function_names]):
-        columns = layout.moments(k)
-        total, count, squares = (float(summaries[:, c].sum()) for c in range(columns.start, columns.stop))
-        mean, std = _mean_std(total, count, squares)
-        prefix = "reward" if key is None else f"rewards/{key}/"
-        metrics[prefix + ("" if key is None else "mean")] = mean
-        metrics[prefix + ("_std" if key is None else "std")] = std
-    column = lambda name: summaries[:, layout.length(name)]  # noqa: E731
-    length_sum, n_completions = float(column("sum").sum()), float(column("count").sum())
-    metrics["completions/mean_length"] = length_sum / n_completions
-    metrics["completions/min_length"] = float(column("min").min())
-    metrics["completions/max_length"] = float(column("max").max())
-    n_truncated = float(column("truncated").sum())
-    metrics["completions/clipped_ratio"] = n_truncated / n_completions
-    ended = (column("count") - column("truncated")) > 0  # the slots with a terminated completion
-    metrics["completions/mean_terminated_length"] = (
-        float(column("terminated_sum").sum()) / (n_completions - n_truncated) if ended.any() else 0.0
-    )  # as GRPOTrainer: 0 when every completion was cut
-    metrics["completions/min_terminated_length"] = float(column("terminated_min")[ended].min()) if ended.any() else 0.0
-    metrics["completions/max_terminated_length"] = float(column("terminated_max")[ended].max()) if ended.any() else 0.0
-    if entropy:
-        metrics["completions/mean_token_entropy"] = float(column("entropy").sum()) / max(length_sum, 1.0)
-    if tools:  # as GRPOTrainer: calls per completion, failures per call
-        calls, failures = (
-            float(summaries[:, layout.tools.start].sum()),
-            float(summaries[:, layout.tools.start + 1].sum()),
-        )
-        metrics["tools/call_frequency"] = calls / n_completions
-        metrics["tools/failure_frequency"] = failures / calls if calls else 0.0
-    return metrics
-
-
-def frac_reward_zero_std(summaries: torch.Tensor, n_functions: int, n_prompts: int) -> float:
-    """GRPOTrainer's `frac_reward_zero_std` for ES: the share of the step's prompts on which every member's mean
-    reward is the same (NaN ones left out), so that the prompt cannot rank the members."""
-    rewards = summaries[:, SummaryLayout(n_functions, n_prompts).prompt_rewards]
-    std = _nanstd(rewards)
-    return float(torch.isclose(std, torch.zeros_like(std)).double().mean())
-
-
-def population_diversity(summaries: torch.Tensor, n_prompts: int) -> float:
-    """Verifier-projected JS diversity (`trl_es.evaluation.metrics.js_diversity`) of the members' per-prompt success."""
-    return js_diversity(summaries[:, summaries.shape[1] - n_prompts :])  # the `success` columns, last
-
-
 class DistanceFromStart:
     """‖θ − θ₀‖/‖θ₀‖ (`es/rel_distance_from_start`), θ₀ the weights when it was made, over every k-th element of θ:
     k keeps about `sample` elements (exact for smaller models)."""
@@ -209,3 +213,83 @@ class DistanceFromStart:
             diff += float((now - start).square().sum())
             norm += float(start.square().sum())
         return (diff / norm) ** 0.5 if norm else 0.0
+
+
+class Population:
+    """This process's share of a step's population: each slot (None: the unperturbed centre θ; else a member of the
+    search space) is formed by `space`, generates through `rollout` (in calls of the space's `members_per_call`
+    members, or one when the rollout generates by itself), is scored by `rewards` (`RewardFunctions`) and written
+    into its summary row; `processes` exchanges the rows. Keeps the completions table of this process's first member
+    for the log (`last_completions`)."""
+
+    def __init__(self, args, space, rollout, rewards, processes, tokenize: Callable):
+        self.args, self.space, self.rollout, self.rewards = args, space, rollout, rewards
+        self.processes, self.tokenize = processes, tokenize
+        self.last_completions, self._completions_step = None, None
+
+    def layout(self, n_prompts: int) -> SummaryLayout:
+        return SummaryLayout(len(self.rewards.names), n_prompts)
+
+    def evaluate(self, rows: list[dict], step: int, slots: list, times: dict, **context) -> torch.Tensor:
+        """Every slot's summary row (all processes', after the step's one all-reduce); this process evaluates its
+        own slots. `context` goes to the reward functions (`trainer_state`, `log_metric`); `times` gains the
+        seconds spent forming members ("noise"), generating and scoring."""
+        n, args = self.args.num_generations, self.args
+        summaries = torch.zeros(len(slots), self.layout(len(rows)).width, dtype=torch.float64)
+        first_member, error, prompt_tokens = sum(slot is None for slot in slots), None, None
+        times |= {"generate": 0.0, "reward": 0.0}
+        try:
+            mine = self.processes.slots(len(slots))
+            per_call = self.space.members_per_call(len(mine)) if self.rollout.batches_members else 1
+            quiet = args.disable_tqdm or not self.processes.accelerator.is_local_main_process
+            progress = tqdm(total=len(mine), desc=f"ES step {step + 1}: members", leave=False, disable=quiet)
+            for start in range(0, len(mine), per_call):
+                part = mine[start : start + per_call]
+                seeds = [seed for s in part for seed in self.completion_seeds(step, s - first_member, len(rows))]
+                timer = time.perf_counter()
+                with self.space.evaluating([slots[s] for s in part]) as route:
+                    times["noise"] += time.perf_counter() - timer
+                    timer = time.perf_counter()
+                    generated = self.rollout(rows, n, seeds, len(part), route, step, args.log_completion_entropy)
+                times["generate"] += time.perf_counter() - timer
+                timer = time.perf_counter()
+                for j, s in enumerate(part):
+                    member_completions = generated.select(j * len(rows) * n, (j + 1) * len(rows) * n)
+                    if prompt_tokens is None:  # every member meets the same prompts (and environment resets)
+                        prompt_tokens = sum(map(len, self.tokenize(member_completions.prompts)))
+                    summaries[s], table = self.score(rows, member_completions, prompt_tokens, context)
+                    if slots[s] is not None and self._completions_step != step:
+                        self.last_completions, self._completions_step = table, step
+                times["reward"] += time.perf_counter() - timer
+                progress.update(len(part))
+            progress.close()
+        except Exception as exc:  # reported to the other processes by the all-reduce, then raised
+            error = exc
+        timer = time.perf_counter()
+        summaries = self.processes.exchange(summaries, error, step)
+        times["communication"] = time.perf_counter() - timer
+        return summaries
+
+    def completion_seeds(self, step: int, member: int, n_prompts: int) -> list[int]:
+        """The sampling seeds of member `member`'s completions at `step` (−1: the centre), one per (prompt,
+        generation): with `common_generation_seed` every member's are the same (common random numbers)."""
+        key = "common" if self.args.common_generation_seed else "center" if member < 0 else member
+        return completion_seeds(sampling_seed(self.args.seed, step, key), n_prompts, self.args.num_generations)
+
+    def score(self, rows: list[dict], completions, prompt_tokens: int, context: dict) -> tuple[torch.Tensor, tuple]:
+        """One slot's summary row from its completions — each reward function's rewards (cut completions get none
+        with `mask_truncated_completions`, as GRPO leaves them out of its loss), their weighted sum, each prompt's
+        share of successes (combined reward ≥ `success_threshold`) — and its completions table (prompts,
+        completions, each function's rewards, the columns reward functions added with `log_extra`)."""
+        extras = defaultdict(list)
+        log_extra = lambda column, values: extras[column].extend(values)  # noqa: E731
+        per_func = self.rewards.score(rows, completions, log_extra=log_extra, **context)
+        if self.args.mask_truncated_completions:
+            per_func[torch.tensor(completions.truncated, dtype=torch.bool)] = float("nan")
+        combined = self.rewards.combine(per_func)
+        success = (combined >= self.args.success_threshold).double().view(len(rows), -1).mean(1)
+        row = self.layout(len(rows)).row(
+            torch.cat([combined[:, None], per_func], dim=1), completions, success, prompt_tokens
+        )
+        table = {name: per_func[:, k].tolist() for k, name in enumerate(self.rewards.names)}
+        return row, (completions.prompts, completions.completions, table, dict(extras))

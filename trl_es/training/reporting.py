@@ -21,7 +21,7 @@ from transformers.utils import is_rich_available
 from trl.trainer.utils import print_prompt_completions_sample
 
 from ..es.seeds import eval_seed
-from ..evaluation import evaluate_batch, plain_generate, summarize_records
+from ..evaluation import evaluate_batch, summarize_records
 from ..tasks import get_task
 
 
@@ -41,7 +41,7 @@ class ReportingMixin:
         """Trainer's log record, without the loss and gradient norm ES does not have (its final summary without
         `train_loss`), with the window's metrics."""
         logs = {k: v for k, v in logs.items() if k not in ("loss", "grad_norm", "train_loss")}
-        completions = bool(self._metrics and self.args.log_completions and self._last_completions)
+        completions = bool(self._metrics and self.args.log_completions and self.population.last_completions)
         if self._metrics:
             logs.update(window_means(self._metrics))
             self._metrics.clear()
@@ -55,7 +55,7 @@ class ReportingMixin:
         """The first member's prompts, completions and rewards of the latest step, as GRPOTrainer logs its own:
         printed (with rich), written to `<output_dir>/completions/completions_<step>.parquet`, and sent as a
         `completions` table to wandb / trackio when `report_to` names them."""
-        prompts, completions, rewards, extras = self._last_completions
+        prompts, completions, rewards, extras = self.population.last_completions
         step = self.state.global_step
         table = pd.DataFrame({"step": [step] * len(prompts), "prompt": prompts, "completion": completions,
                               **rewards, **extras})  # fmt: skip
@@ -93,16 +93,6 @@ class ReportingMixin:
 
             trackio.log({"completions": trackio.Table(dataframe=table)})
 
-    def _eval_generator(self, key):
-        """`generate(rows, n, seeds)` of θ for `evaluate_batch`: the backend's batched call, or θ's agent episodes
-        (environments reset under seeds from `key`)."""
-        agents, generation = self.agents, self.generation
-        if agents is None:
-            return plain_generate(generation, generation.records_entropy)
-        if agents.generates_itself:
-            return lambda rows, n, seeds: agents.run_rollout_func(rows, n, self, generation)
-        return lambda rows, n, seeds: agents.run(rows, 1, n, seeds, key, lambda members: None, generation)
-
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """Pass@K for K in `eval_k` (and Maj@K with `eval_task`) of the current θ on the eval prompts, with
@@ -123,18 +113,24 @@ class ReportingMixin:
         rank, world, size = accelerator.process_index, accelerator.num_processes, args.per_device_eval_batch_size
         rows, records = list(dataset)[rank::world], []
         options = (args.eval_k, extract, args.success_threshold)
-        rewards_of = lambda rows, generated: self.reward_functions.combine(self._rewards(rows, generated))  # noqa: E731
+
+        def rewards_of(rows, completions):
+            return self.reward_functions.combine(
+                self.reward_functions.score(rows, completions, trainer_state=self.state)
+            )
+
         self.weights.start()
         with self._full_parameters():
             for start in range(0, len(rows), size):
                 first = rank + start * world  # the chunk's first problem
                 seed = eval_seed(args.seed, self.state.global_step, first)
-                generate = self._eval_generator(("eval", self.state.global_step, first))
-                records.append(evaluate_batch(generate, rows[start : start + size], n, seed, rewards_of, *options))
+                key = ("eval", self.state.global_step, first)  # the environments' resets of this chunk
+                chunk = rows[start : start + size]
+                records.append(evaluate_batch(self.rollout, chunk, n, seed, rewards_of, *options, key=key))
         reduce = lambda totals: accelerator.reduce(totals.to(accelerator.device), "sum").cpu()  # noqa: E731
         summary = summarize_records(records, args.eval_k, extract is not None, reduce)
         metrics = {f"{metric_key_prefix}_{key}": value for key, value in summary.items() if key != "problems"}
-        if not self.generation.records_entropy:
+        if not self.rollout.records_entropy:
             del metrics[f"{metric_key_prefix}_mean_token_entropy"]
         metrics[f"{metric_key_prefix}_runtime"] = round(time.perf_counter() - start_time, 4)
         super().log(metrics)  # not self.log, which would fold pending training metrics into this record

@@ -1,12 +1,13 @@
 """ESTrainer: Evolution Strategies post-training with GRPOTrainer's contracts.
 
-One ES step (`_es_step`) reads top to bottom: the search space asks for the step's members; this process evaluates
-its share of them (form the member, generate, score); one all-reduce gathers every member's rewards; they are shaped
-into fitness; the search space is told, which is the update; the step's metrics are logged. What a member is lives in
-the search space (`trl_es.es.space`), where its weights are written in the weights backend (`trl_es.es.weights`,
-vLLM's in `trl_es.generation`), how processes share the work in `trl_es.training.distributed`, logs and evaluation in
-`trl_es.training.reporting`, checkpoints and saving in `trl_es.training.checkpoints`. transformers' Trainer supplies data, logging, callbacks, checkpoints and the Hub; its optimizer is a
-placeholder that only carries α_t.
+transformers' Trainer supplies data, logging, callbacks, checkpoints and the Hub; ESTrainer overrides its hooks
+and holds the ES step (`_es_step`), which reads top to bottom: the search space asks for the step's members at σ_t;
+this process evaluates its share of them (`Population`: form the member, roll out, score) and one all-reduce gathers
+every member's summary row; the search space is told the rewards, which is the update rule and the update; the seed
+chain records it; the step's metrics are logged. What a member is lives in the search space (`trl_es.es.space`),
+how completions are produced in the rollout (`trl_es.rollout`), logs and evaluation in
+`trl_es.training.reporting`, checkpoints and saving in `trl_es.training.checkpoints`. Trainer's optimizer is a
+placeholder that only carries α_t, unless `es_optimizer` hands it the gradient estimate.
 """
 
 from __future__ import annotations
@@ -21,25 +22,21 @@ import torch
 from accelerate.data_loader import BatchSamplerShard
 from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader, SequentialSampler
-from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
-from trl.trainer.grpo_config import GRPOConfig
 from trl.trainer.utils import get_config_model_id, identity
 
-from ..chains import new_chain
-from ..es import SearchSpace, search_space, select_parameters, shape_fitness
-from ..es.seeds import completion_seeds, sampling_seed
-from ..es.space import step_optimizer
+from ..chains.recorder import ChainRecorder
+from ..es import search_space, select_parameters
 from ..generation import make_backend
 from ..rewards import RewardFunctions
-from ..rollout.episodes import Agents
+from ..rollout import Agents, check_agent_arguments, make_rollout
 from ..util.compat import BaseTrainer, check_trainer_hooks
 from ..util.models import load_starting_model
 from .checkpoints import SavingMixin
 from .config import ESConfig
 from .distributed import Processes
-from .loading import agent_dataset, check_eval_dataset, check_model_type, prepare_model
-from .population import DistanceFromStart, SummaryLayout, member_rewards, population_metrics, summarize
+from .loading import check_args, check_eval_dataset, check_model_type, prepare_model, training_dataset
+from .population import DistanceFromStart, Population
 from .reporting import ReportingMixin
 
 
@@ -116,46 +113,28 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         environment_factory=None,
     ):
         check_model_type(model)
-        if args is None:
-            name = model if isinstance(model, str) else get_config_model_id(model.config)
-            args = ESConfig(f"{str(name).rstrip('/').split('/')[-1]}-ES")
-        if isinstance(args, GRPOConfig):
-            raise TypeError(
-                "`args` is a GRPOConfig: ESTrainer takes an ESConfig. Convert it with "
-                "ESConfig.from_grpo_config(args, population_size=..., sigma=..., learning_rate=...), which keeps its "
-                "fields (docs/migrating_from_grpo.md)"
-            )
-        if not isinstance(args, ESConfig):
-            raise TypeError(f"`args` must be an ESConfig, got {type(args).__name__}")
-        train_dataset = agent_dataset(train_dataset, args, environment_factory)
-        if isinstance(train_dataset, IterableDataset) and args.dataloader_num_workers:
-            warnings.warn(  # as GRPOTrainer: each worker would read the whole stream, every prompt N times
-                f"dataloader_num_workers={args.dataloader_num_workers} is set to 0 for an iterable train dataset",
-                stacklevel=2,
-            )
-            args.dataloader_num_workers = 0
+        args = check_args(args, model)
+        train_dataset = training_dataset(train_dataset, args, environment_factory)
         if eval_dataset is not None:
             check_eval_dataset(eval_dataset, train_dataset)
-        self._model_source = model if isinstance(model, str) else get_config_model_id(model.config)
-        self._new_adapter, self.chain = peft_config is not None, None  # the run's seed chain (trl_es.chains)
+        check_agent_arguments(args, tools, environment_factory, rollout_func)
+        model_source = model if isinstance(model, str) else get_config_model_id(model.config)
         model, processing_class, eos_ids = prepare_model(model, args, processing_class, peft_config)
         self.agents = None
-        if tools or environment_factory is not None or rollout_func is not None:
-            self.agents = Agents(processing_class, args, tools, environment_factory, rollout_func)
-        reward_funcs, reward_weights = self._reward_sources(reward_funcs, args.reward_weights)
+        if tools or environment_factory is not None:
+            self.agents = Agents(processing_class, args, tools, environment_factory)
         self.reward_functions = RewardFunctions(
             reward_funcs,
-            reward_weights=reward_weights,
-            reward_processing_classes=reward_processing_classes,
-            model_init_kwargs=args.model_init_kwargs,
-            trust_remote_code=args.trust_remote_code,
-            chat_template_kwargs=args.chat_template_kwargs,
+            args.reward_weights,
+            reward_processing_classes,
+            args.model_init_kwargs,
+            args.trust_remote_code,
+            args.chat_template_kwargs,
+            owned=self.agents.reward_funcs if self.agents is not None else (),
         )
+        environments = self.agents is not None and self.agents.environments
         columns = getattr(train_dataset, "column_names", None)
-        agents = self.agents
-        self.reward_functions.check_signatures(
-            columns, agents is not None and bool(agents.factories), agents is not None and agents.generates_itself
-        )
+        self.reward_functions.check_signatures(columns, environments, rollout_func is not None)
         super().__init__(
             model=model,
             args=args,
@@ -177,41 +156,20 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         self.generation, self.weights = make_backend(
             self.model, processing_class, eos_ids, args, self.accelerator, self.es_params, zero_stage
         )
-        self.space = self._make_search_space()
+        space = search_space(args.es_search_space)
+        self.space = space.build(args, self.model, self.weights, load_starting_model, zero_stage)
+        self.rollout = make_rollout(self.generation, self.agents, rollout_func, self)
         if self.agents is not None:
-            self.agents.max_model_length = self.generation.max_model_length
             self.agents.check_reproducible(next(iter(self.train_dataset)), args.seed)
+        self.population = Population(
+            args, self.space, self.rollout, self.reward_functions, self.processes, self.generation.tokenize
+        )
+        self.chain_recorder = ChainRecorder(args, self.es_params, self.space, model_source, peft_config is not None)
         self._distance = None  # ‖θ − θ₀‖/‖θ₀‖, θ₀ taken at the first step of `train`
         self._metrics = defaultdict(list)
         self._skipped_steps = 0  # steps whose rewards had no spread, warned about once at the end of `train`
-        self._last_completions = self._completions_step = None
 
-    def _reward_sources(self, reward_funcs, reward_weights):
-        """The reward functions and their weights, with the environments' own rewards (`get_reward`, weight 1)
-        after the user's, as GRPOTrainer adds them."""
-        funcs = (
-            [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, list) else [reward_funcs]
-        )
-        owned = self.agents.reward_funcs if self.agents is not None else []
-        if reward_weights is not None and len(reward_weights) != len(funcs):
-            raise ValueError(
-                f"Number of reward weights ({len(reward_weights)}) must match number of reward functions ({len(funcs)})"
-            )
-        weights = None if reward_weights is None else [*reward_weights, *[1.0] * len(owned)]
-        return funcs + owned, weights
-
-    def _make_search_space(self) -> SearchSpace:
-        """The search space `es_search_space` names (`trl_es.es.space.SEARCH_SPACES`), built from ESConfig."""
-        if self.args.es_optimizer and self.processes.zero_stage == 3:
-            raise ValueError("es_optimizer with ZeRO-3: the optimizer would step on partitioned θ; use ZeRO-2 or none")
-        space = search_space(self.args.es_search_space)
-        space.check_setup(self.args, self.processes.zero_stage)
-        if not isinstance(self.weights, space.backend):
-            raise ValueError(
-                f"es_search_space={space.name!r} needs a {space.backend.__name__} weights backend, and this run's is "
-                f"a {type(self.weights).__name__}"
-            )
-        return space.from_config(self.args, self.model, self.weights, load_starting_model)
+    chain = property(lambda self: self.chain_recorder.chain, doc="The run's seed chain (`trl_es.chains.Chain`).")
 
     # GRPOTrainer's public attributes, with the same meaning
     reward_funcs = property(lambda self: self.reward_functions.funcs, doc="The reward functions and models.")
@@ -231,7 +189,7 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
 
     def create_optimizer(self, model=None):
         """With `es_optimizer`, Trainer's optimizer (`optim`, …), which the ES step itself steps on the gradient
-        estimate the search space wrote (`step_optimizer`; Trainer's own `optimizer.step()` then finds no gradient
+        estimate the search space wrote (its `tell`; Trainer's own `optimizer.step()` then finds no gradient
         and does nothing). Otherwise a placeholder: the plain update keeps no optimizer
         state; this SGD over one scalar that never receives a gradient (so `step()` does nothing) lets Trainer's
         scheduler drive α_t, saved and resumed with checkpoints."""
@@ -248,6 +206,8 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         if getattr(self, "_created_lr_scheduler", False):
             self.lr_scheduler, self._created_lr_scheduler = None, False
         self.create_optimizer()
+        if self.args.es_optimizer:  # the update rule steps it on the gradient estimate (`SearchSpace.tell`)
+            self.space.rule.optimizer = self.optimizer
         self.create_scheduler(num_training_steps=max_steps, optimizer=self.optimizer)
         self.model_wrapped = self.processes.prepare(self.model, self.model_wrapped)
         if resume_from_checkpoint is not None:
@@ -332,7 +292,7 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
     # ---- The ES step ------------------------------------------------------------------------------------------
 
     def _es_step(self, rows: list[dict], step: int, learning_rate: float) -> None:
-        """One ES step: ask → evaluate this process's slots → all-reduce → shape fitness → tell → log.
+        """One ES step: ask → evaluate this process's slots → all-reduce → tell (the update rule) → record → log.
 
         On any exception, KeyboardInterrupt included, θ is restored bitwise. A failure on one process is reported to
         all at the all-reduce, so every process restores θ and raises instead of waiting for the others.
@@ -340,181 +300,52 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         args, step_start = self.args, time.perf_counter()
         with self._full_parameters():
             self.weights.start()
-            if self.chain is None:  # a new run's chain, from the weights held now
-                self.chain = new_chain(
-                    args, self.model, self.es_params, self.space, self.optimizer, self._model_source, self._new_adapter
-                )
+            self.chain_recorder.start(self.model, self.optimizer)  # a new run's chain, from the weights held now
             if self._distance is None:
                 self._distance = DistanceFromStart(self.es_params)
-            sigma = args.sigma_at(step)
-            if args.sigma_decay != 1:  # σ_t for this step's members (the merge space, which has no σ, refuses this)
-                self.space.sigma = sigma
             members = self.space.ask(step)
             slots = [None] * (args.es_baseline == "center") + members  # the centre θ first, then the members
             timer = time.perf_counter()
             self.weights.capture()
             times = {"noise": time.perf_counter() - timer}  # the copy of θ counts with the perturbations
             try:
-                summaries = self._evaluate_population(rows, step, slots, times)
+                log_metric = lambda name, value: self._metrics[name].append(value)  # noqa: E731
+                summaries = self.population.evaluate(
+                    rows, step, slots, times, trainer_state=self.state, log_metric=log_metric
+                )
                 timer = time.perf_counter()
-                weights, aggregation = self.reward_functions.reward_weights, args.multi_objective_aggregation
-                rewards = member_rewards(summaries[len(slots) - len(members) :], weights, aggregation)
-                center = summaries[0, SummaryLayout.reward].item() if len(slots) > len(members) else None
-                baseline = center if center is not None and center == center else 0.0  # a NaN centre: no baseline
-                fitness = shape_fitness(rewards - baseline, args.fitness_shaping)
-                record = None
-                if fitness is None:  # logged as es/skipped_update = 1; `train` warns once at its end
-                    self.weights.restore()
-                    outcome = {"es/update_norm": 0.0, "es/skipped_update": 1.0}
-                    self._skipped_steps += 1
-                else:
-                    outcome, record = self.space.tell(members, rewards, fitness, learning_rate)
-                    if args.es_optimizer:  # the optimizer applies the gradient estimate `tell` wrote, here
-                        rates = [group["lr"] for group in self.optimizer.param_groups]
-                        step_optimizer(self.optimizer, self.es_params, rates)
-                        record = {**record, "learning_rates": rates}
-                    outcome["es/skipped_update"] = 0.0
-                self.chain.record(step, record)
+                layout, weights = self.population.layout(len(rows)), self.reward_functions.reward_weights
+                rewards = layout.member_rewards(summaries[-len(members) :], weights, args.multi_objective_aggregation)
+                center = summaries[0, layout.reward].item() if len(slots) > len(members) else None
+                outcome, record = self.space.tell(members, rewards, learning_rate, center)
+                self.chain_recorder.record(step, record)
                 times["update"] = time.perf_counter() - timer
             except BaseException:
                 self.weights.restore()
                 raise
+            self._skipped_steps += int(outcome["es/skipped_update"])  # `train` warns once at its end
             times["step"] = time.perf_counter() - step_start
-            outcome["es/sigma"] = sigma
-            self._log_step(summaries[len(slots) - len(members) :], len(rows), center, outcome, times)
+            outcome["es/sigma"] = self.space.rule.sigma_at(step)
+            self._log_step(summaries[-len(members) :], len(rows), center, outcome, times)
             self.processes.write_shards(self.es_params.values())
-
-    def _evaluate_population(self, rows: list[dict], step: int, slots: list, times: dict) -> torch.Tensor:
-        """Evaluate this process's share of the step's slots, in generate calls of `members_per_call` members each,
-        and return every slot's summary row (all processes', after the step's one all-reduce)."""
-        n = self.args.num_generations
-        layout = SummaryLayout(len(self.reward_functions.names), len(rows))
-        summaries = torch.zeros(len(slots), layout.width, dtype=torch.float64)
-        first_member, error, prompt_tokens = sum(slot is None for slot in slots), None, None
-        times |= {"generate": 0.0, "reward": 0.0}
-        try:
-            generate = self._generator(rows, step)
-            mine = self.processes.slots(len(slots))
-            per_call = 1 if self.agents and self.agents.generates_itself else self.space.members_per_call(len(mine))
-            quiet = self.args.disable_tqdm or not self.is_local_process_zero()
-            progress = tqdm(total=len(mine), desc=f"ES step {step + 1}: members", leave=False, disable=quiet)
-            for start in range(0, len(mine), per_call):
-                part = mine[start : start + per_call]
-                seeds = [seed for s in part for seed in self._completion_seeds(step, s - first_member, len(rows))]
-                timer = time.perf_counter()
-                with self.space.evaluating([slots[s] for s in part]) as route:
-                    times["noise"] += time.perf_counter() - timer
-                    timer = time.perf_counter()
-                    generated = generate(len(part), seeds, route)
-                times["generate"] += time.perf_counter() - timer
-                timer = time.perf_counter()
-                for j, s in enumerate(part):
-                    member_completions = generated.select(j * len(rows) * n, (j + 1) * len(rows) * n)
-                    if prompt_tokens is None:  # every member meets the same prompts (and environment resets)
-                        prompt_tokens = sum(map(len, self.generation.tokenize(member_completions.prompts)))
-                    self._score(s, slots[s] is None, step, rows, member_completions, summaries, prompt_tokens)
-                times["reward"] += time.perf_counter() - timer
-                progress.update(len(part))
-            progress.close()
-        except Exception as exc:  # reported to the other processes by the all-reduce, then raised
-            error = exc
-        timer = time.perf_counter()
-        summaries = self.processes.exchange(summaries, error, step)
-        times["communication"] = time.perf_counter() - timer
-        return summaries
-
-    def _generator(self, rows: list[dict], step: int) -> Callable:
-        """`generate(n_members, seeds, route)`: the completions of one generate call's members on `rows`, member-major,
-        `num_generations` per prompt, completion r sampled with `seeds[r]`: one batched `generate` of the backend,
-        or the episodes of an agent run (`trl_es.rollout.episodes`), every turn routed to its member."""
-        n, agents = self.args.num_generations, self.agents
-        if agents is not None and agents.generates_itself:
-
-            def generate(n_members, seeds, route):
-                route(0)  # the call's one member generates every row the rollout function asks for
-                return agents.run_rollout_func(rows, n, self, self.generation)
-
-        elif agents is not None:
-
-            def generate(n_members, seeds, route):
-                return agents.run(rows, n_members, n, seeds, step, route, self.generation)
-
-        else:
-            prompts = [row["prompt"] for row in rows]
-            prompt_ids = self.generation.tokenize(prompts)
-
-            def generate(n_members, seeds, route):
-                route([j for j in range(n_members) for _ in range(len(rows) * n)])
-                batch = [prompts * n_members, prompt_ids * n_members]
-                return self.generation.generate(*batch, n, seeds, self.args.log_completion_entropy)
-
-        return generate
-
-    def _completion_seeds(self, step: int, member: int, n_prompts: int) -> list[int]:
-        """The sampling seeds of member `member`'s completions at `step` (−1: the centre), one per (prompt,
-        generation): with `common_generation_seed` every member's are the same (common random numbers)."""
-        key = "common" if self.args.common_generation_seed else "center" if member < 0 else member
-        return completion_seeds(sampling_seed(self.args.seed, step, key), n_prompts, self.args.num_generations)
-
-    def _score(self, s: int, is_center: bool, step: int, rows, generated, summaries, prompt_tokens: int) -> None:
-        """Score slot `s`'s completions and write its summary row: the member reward R (mean completion reward) and
-        the rest `summarize` keeps. Keeps the completions table of this process's first member for `log`."""
-        extras = defaultdict(list)
-        log_metric = lambda name, value: self._metrics[name].append(value)  # noqa: E731
-        per_func = self._rewards(rows, generated, log_metric, lambda column, values: extras[column].extend(values))
-        if self.args.mask_truncated_completions:  # cut completions get no reward, as GRPO leaves them out of its loss
-            per_func[torch.tensor(generated.truncated, dtype=torch.bool)] = float("nan")
-        combined = self.reward_functions.combine(per_func)
-        reward = combined.nanmean().item()
-        success = (combined >= self.args.success_threshold).double().view(len(rows), -1).mean(1)
-        summaries[s] = summarize(
-            reward,
-            torch.cat([combined[:, None], per_func], dim=1),
-            generated.lengths,
-            generated.truncated,
-            sum(generated.entropy_sums) if generated.entropy_sums else 0.0,
-            success,
-            sum(generated.tool_calls or ()),
-            sum(generated.tool_failures or ()),
-            prompt_tokens,
-        )
-        if not is_center and self._completions_step != step:
-            table = {name: per_func[:, k].tolist() for k, name in enumerate(self.reward_functions.names)}
-            self._last_completions = (generated.prompts, generated.completions, table, dict(extras))
-            self._completions_step = step
 
     def _log_step(self, members: torch.Tensor, n_prompts: int, center, outcome: dict, times: dict) -> None:
         """The step's metrics, from the members' all-reduced summaries: the same whatever the number of processes.
         `num_tokens` counts, as GRPOTrainer's, the prompt and completion tokens seen so far, here by every member
         (a prompt's tokens once per completion; an agent episode's first prompt, as its environment reset it)."""
-        args, metrics = self.args, self._metrics
+        args, metrics, layout = self.args, self._metrics, self.population.layout(n_prompts)
         if center is not None:
             metrics["es/center_reward"].append(center)
-        tools, names = self.agents is not None and bool(self.agents.tools), self.reward_functions.names
-        step = population_metrics(
-            members, names, n_prompts, args.log_completion_entropy, args.log_population_diversity, tools
+        tools = self.agents is not None and bool(self.agents.tools)
+        names, entropy, diversity = (
+            self.reward_functions.names,
+            args.log_completion_entropy,
+            args.log_population_diversity,
         )
-        layout = SummaryLayout(len(names), n_prompts)
-        tokens = members[:, layout.length("prompt_tokens")].sum() + members[:, layout.length("sum")].sum()
-        self.state.num_input_tokens_seen += int(tokens)
+        step = layout.metrics(members, names, entropy, diversity, tools)
+        self.state.num_input_tokens_seen += layout.tokens(members)
         step |= {"num_tokens": self.state.num_input_tokens_seen, "step_time": times["step"]}
         step |= {**outcome, "es/rel_distance_from_start": self._distance()}
         step |= {f"es/time/{name}": times[name] for name in ("generate", "reward", "noise", "update", "communication")}
         for name, value in step.items():
             metrics[name].append(value)
-
-    def _rewards(self, rows: list[dict], generated, log_metric=lambda *_: None, log_extra=lambda *_: None):
-        """Each reward function's rewards of `generated`'s completions (GRPOTrainer's contract: `trl_es.rewards`)."""
-        repeats = len(generated.completions) // len(rows)
-        environments = {} if generated.environments is None else {"environments": generated.environments}
-        return self.reward_functions(
-            [row for row in rows for _ in range(repeats)],
-            generated.prompts,
-            generated.completions,
-            generated.completion_ids,
-            generated.extras,
-            trainer_state=self.state,
-            log_metric=log_metric,
-            log_extra=log_extra,
-            **environments,
-        )
