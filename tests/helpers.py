@@ -2,6 +2,7 @@
 processes, weight comparisons, the rewards the tiny models are trained on. Imported as `helpers` (tests/ is on the
 path; launched scripts get it through PYTHONPATH)."""
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -9,6 +10,12 @@ import sys
 from pathlib import Path
 
 import torch
+import trl
+
+
+TESTS = Path(__file__).parent
+REPOSITORY = TESTS.parent
+DATA = TESTS / "data"
 
 
 def build_tiny_model(path, tokenizer_dir, dtype=torch.float32, seed=0, **config_overrides):
@@ -85,7 +92,7 @@ def accelerate_launch(num_processes: int, *command: str, backend=("--multi_gpu",
         "--main_process_port",
         str(free_port()),
     ]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent), **(env or {})}
+    env = {**os.environ, "PYTHONPATH": str(TESTS), **(env or {})}
     return subprocess.run([*launch, *command], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
 
 
@@ -118,3 +125,160 @@ def throwaway_processes() -> list[int]:
         if int(fields["Uid"].split()[0]) in THROWAWAY_UIDS and not fields["State"].strip().startswith("Z"):
             pids.append(int(name))
     return pids
+
+
+# ---- A search space defined outside trl-es (registered on import): tests/training/test_search_space_registry.py,
+# the regression guard's `registered_space` scenario
+
+
+from trl_es.es import SEARCH_SPACES, Direction, SearchSpace, register, update_coefficients  # noqa: E402
+from trl_es.es.space import one_member  # noqa: E402
+
+
+class NormsOnlySpace(SearchSpace):
+    """Antithetic Gaussian members over the normalisation weights alone; the plain ES update on them."""
+
+    name = "test-norms-only"
+
+    def __init__(self, weights, seed: int, population_size: int, sigma: float):
+        self.weights, self.seed, self.population_size, self.sigma = weights, seed, population_size, sigma
+        self.names = [name for name in weights.params if "norm" in name]
+
+    @classmethod
+    def check_config(cls, args, refuse):
+        if args.population_size % 2:
+            refuse("population_size", "this space pairs its members")
+
+    @classmethod
+    def from_config(cls, args, model, weights, load_model=None):
+        return cls(weights, args.seed, args.population_size, args.sigma)
+
+    def _ask(self, step):
+        return [
+            Direction(self.seed * 1000 + step * 100 + i // 2, 1 - 2 * (i % 2)) for i in range(self.population_size)
+        ]
+
+    @contextlib.contextmanager
+    def evaluating(self, members):
+        route = one_member(members)
+        (member,) = members
+        if member is None:
+            self.weights.center()
+        else:
+            self.weights.member(member.seed, member.sign * self.sigma, self.names)
+        yield route
+
+    def _tell(self, members, rewards, fitness, learning_rate):
+        pairs = [(m.seed, m.sign) for m in members]
+        coefficients = update_coefficients(fitness, pairs, learning_rate, len(members))
+        norm = self.weights.update(coefficients, 0.0, self.names)
+        return {"es/update_norm": norm}, {"coefficients": [[s, c] for s, c in coefficients.items()]}
+
+    def chain_header(self):
+        return {"kind": self.name, "names": self.names}
+
+    @staticmethod
+    def replayer(header, weights, load_model=None):
+        def replay(update):
+            weights.update({int(s): float(c) for s, c in update["coefficients"]}, 0.0, header["names"])
+
+        return replay
+
+
+if NormsOnlySpace.name not in SEARCH_SPACES:
+    register(NormsOnlySpace)
+
+
+# ---- The agent scenario: tests/training/test_agents.py and the regression guard's `agents` scenario. As TRL's
+# tests do, the model's `generate` is patched to decide when a completion calls a tool (`scripted`).
+
+
+QWEN_TEMPLATE = Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja"
+CALL = '<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call><|im_end|>'
+
+
+def tool_tokenizer(model_dir):
+    """SmolLM2's tokenizer with TRL's Qwen2.5 template (the same special tokens; it can call tools)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = QWEN_TEMPLATE.read_text()
+    return tokenizer
+
+
+def scripted(trainer, script):
+    """Patch `trainer.model.generate`: the real `generate` runs, then `script(row, prompt_text, generated_ids)` gives
+    each row's completion text. Returns the list of batch sizes of the calls."""
+    real, tokenizer, calls = trainer.model.generate, trainer.processing_class, []
+
+    def generate(input_ids, **kwargs):
+        output = real(input_ids=input_ids, **kwargs)
+        width, rows = input_ids.shape[1], []
+        calls.append(input_ids.shape[0])
+        for i in range(input_ids.shape[0]):
+            text = script(i, tokenizer.decode(input_ids[i]), output[i, width:].tolist())
+            rows.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+        longest = max(map(len, rows))
+        padded = [row + [tokenizer.pad_token_id] * (longest - len(row)) for row in rows]
+        return torch.cat([input_ids, torch.tensor(padded, device=input_ids.device)], dim=1)
+
+    trainer.model.generate = generate
+    return calls
+
+
+def digits(ids, k=2) -> str:
+    """Part of what the member generated, as text the reward can see: its first token ids' last digits."""
+    return "".join(str(t % 10) for t in ids[:k])
+
+
+def answer_digits(completions, **kwargs):
+    """The digits of the completion's last message, read as a number / 100: differs between members."""
+    return [sum(int(c) for c in m[-1]["content"] if c.isdigit()) / 100 for m in completions]
+
+
+def agent_config(tmp_path, **overrides):
+    values = dict(per_device_train_batch_size=3, num_generations=1, max_completion_length=96, max_steps=1)
+    return es_config(tmp_path, **{**values, **overrides})
+
+
+class Dice:
+    """An environment drawing its episode from Python's RNG: trl-es seeds it, so every member faces the same one."""
+
+    def reset(self, **kwargs):
+        import random
+
+        self.target, self.hit = random.randint(1, 9), False
+        return f" Roll a {self.target}."
+
+    def roll(self, guess: int) -> str:
+        """Roll.
+
+        Args:
+            guess: The number to roll.
+
+        Returns:
+            Whether the roll hit.
+        """
+        self.hit = guess == self.target
+        return "hit" if self.hit else "miss"
+
+    def get_reward(self) -> float:
+        return float(self.hit)
+
+
+def dice_script(row, prompt, ids):
+    if "tool_response" in prompt:
+        return f"Done {digits(ids)}<|im_end|>"
+    return CALL.format(name="roll", arguments=f'{{"guess": {1 + ids[0] % 9}}}')
+
+
+def dice_trainer(model_dir, out, **overrides):
+    from trl_es import ESTrainer
+
+    settings = dict(population_size=4, sigma=0.5, learning_rate=0.5, per_device_train_batch_size=2, num_generations=2,
+                    max_steps=2)  # fmt: skip
+    args = agent_config(out, **{**settings, **overrides})
+    trainer = ESTrainer(model_dir, answer_digits, args=args, environment_factory=Dice,
+                        processing_class=tool_tokenizer(model_dir))  # fmt: skip
+    scripted(trainer, dice_script)
+    return trainer

@@ -3,12 +3,12 @@
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import REPOSITORY
 
 
-README = Path(__file__).parents[1] / "README.md"
+README = REPOSITORY / "README.md"
 
 
 @pytest.mark.slow  # the real SmolLM2-135M-Instruct, 2 ES steps

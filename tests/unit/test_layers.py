@@ -9,7 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 
-PACKAGE = Path(__file__).resolve().parent.parent / "trl_es"
+PACKAGE = Path(__file__).resolve().parents[2] / "trl_es"
 
 LAYERS = [
     ("es", "the ES algorithm on plain tensors: torch only"),

@@ -24,17 +24,17 @@ Not adapted, and why:
 
 import asyncio
 from contextlib import nullcontext
-from pathlib import Path
 
 import pytest
 import torch
 from datasets import DatasetDict, IterableDatasetDict, load_dataset
+from helpers import DATA
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from trl_es import ESConfig, ESTrainer
 
 
-ZEN = str(Path(__file__).parent / "data" / "zen")
+ZEN = str(DATA / "zen")
 
 
 def zen(config="standard_prompt_only", split="train", streaming=False):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from helpers import es_config
+from helpers import REPOSITORY, es_config
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
 from transformers.trainer_callback import TrainerState
 from trl import GRPOConfig, GRPOTrainer
@@ -248,7 +248,7 @@ def test_cli_trains_from_a_yaml_recipe(tmp_path, tiny_model_dir, prompt_dataset,
 def test_example_recipe_parses_into_esconfig():
     from trl_es.commands.train import make_parser
 
-    recipe = Path(__file__).parent.parent / "examples" / "recipe.yaml"
+    recipe = REPOSITORY / "examples" / "recipe.yaml"
     script_args, args, model_args, _ = make_parser().parse_args_and_config(
         args=["--config", str(recipe), "--output_dir", "/tmp/unused"]
     )

@@ -19,16 +19,13 @@ import warnings
 from pathlib import Path
 
 import pytest
+import regression_guard  # noqa: E402
 import torch
 import transformers
+from helpers import DATA, accelerate_launch  # noqa: E402
 
 
-sys.path.insert(0, os.path.dirname(__file__))
-import regression_guard  # noqa: E402
-from helpers import accelerate_launch  # noqa: E402
-
-
-GOLDEN = Path(__file__).parent / "data" / "regression_hashes.json"
+GOLDEN = DATA / "regression_hashes.json"
 RECORD = os.environ.get("TRL_ES_RECORD_GUARD") == "1"
 ENVIRONMENT = {
     "torch": torch.__version__,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import accelerate_launch, build_tiny_model, free_port
+from helpers import REPOSITORY, TESTS, accelerate_launch, build_tiny_model, free_port
 from transformers import AutoModelForCausalLM
 
 from trl_es.cli import main as cli
@@ -22,8 +22,8 @@ from trl_es.cli import main as cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 SCRIPT = Path(__file__).parent / "multiprocess_es.py"
-CONFIGS = Path(__file__).parents[1] / "examples" / "accelerate"
-EXTENSIONS = Path(__file__).parents[1] / "build" / "torch_extensions"
+CONFIGS = REPOSITORY / "examples" / "accelerate"
+EXTENSIONS = REPOSITORY / "build" / "torch_extensions"
 
 
 def run_script(out_dir: Path, model_dir: str, overrides: dict, fault=None, backend=("--multi_gpu",), env=None):
@@ -146,7 +146,7 @@ def test_cli_resolves_trl_accelerate_config_short_names(tmp_path, model_dir, one
     command = [sys.executable, "-m", "trl_es.cli", "es", "--config", "recipe.yaml"]
     env = {
         **os.environ,
-        "PYTHONPATH": str(Path(__file__).parent),
+        "PYTHONPATH": f"{TESTS}:{Path(__file__).parent}",
         "DS_ACCELERATOR": "cpu",
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(EXTENSIONS)),
     }

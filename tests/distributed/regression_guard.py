@@ -20,13 +20,12 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for `helpers`
 
 import torch  # noqa: E402
 from accelerate import PartialState  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from helpers import build_tiny_model, es_config  # noqa: E402
-from test_search_space_registry import NormsOnlySpace  # noqa: E402  (registered on import)
+from helpers import NormsOnlySpace, build_tiny_model, dice_trainer, es_config  # noqa: E402  (registers the space)
 
 
 MODEL = dict(hidden_size=64, intermediate_size=128, initializer_range=0.3, max_position_embeddings=128)
@@ -96,8 +95,6 @@ def run(scenario: str, models: Path, out: Path, resume=None, **extra) -> str:
 
     model_dir = str(models / "model")
     if scenario == "agents":
-        from test_agents import dice_trainer
-
         trainer = dice_trainer(model_dir, out / scenario, use_cpu=True, **extra)
         trainer.train()
         return weights_sha256(trainer.model)

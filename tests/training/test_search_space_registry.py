@@ -2,75 +2,14 @@
 no change to trl-es; the regression guard's `registered_space` scenario trains it with 1 and 2 processes (same
 weights, recorded hash)."""
 
-import contextlib
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-
-sys.path.insert(0, os.path.dirname(__file__))
 from datasets import Dataset  # noqa: E402
+from helpers import NormsOnlySpace
 
 from trl_es import ESConfig, ESTrainer, load_chain
-from trl_es.es import SEARCH_SPACES, Direction, SearchSpace, register, update_coefficients
-from trl_es.es.space import one_member
-
-
-class NormsOnlySpace(SearchSpace):
-    """Antithetic Gaussian members over the normalisation weights alone; the plain ES update on them."""
-
-    name = "test-norms-only"
-
-    def __init__(self, weights, seed: int, population_size: int, sigma: float):
-        self.weights, self.seed, self.population_size, self.sigma = weights, seed, population_size, sigma
-        self.names = [name for name in weights.params if "norm" in name]
-
-    @classmethod
-    def check_config(cls, args, refuse):
-        if args.population_size % 2:
-            refuse("population_size", "this space pairs its members")
-
-    @classmethod
-    def from_config(cls, args, model, weights, load_model=None):
-        return cls(weights, args.seed, args.population_size, args.sigma)
-
-    def _ask(self, step):
-        return [
-            Direction(self.seed * 1000 + step * 100 + i // 2, 1 - 2 * (i % 2)) for i in range(self.population_size)
-        ]
-
-    @contextlib.contextmanager
-    def evaluating(self, members):
-        route = one_member(members)
-        (member,) = members
-        if member is None:
-            self.weights.center()
-        else:
-            self.weights.member(member.seed, member.sign * self.sigma, self.names)
-        yield route
-
-    def _tell(self, members, rewards, fitness, learning_rate):
-        pairs = [(m.seed, m.sign) for m in members]
-        coefficients = update_coefficients(fitness, pairs, learning_rate, len(members))
-        norm = self.weights.update(coefficients, 0.0, self.names)
-        return {"es/update_norm": norm}, {"coefficients": [[s, c] for s, c in coefficients.items()]}
-
-    def chain_header(self):
-        return {"kind": self.name, "names": self.names}
-
-    @staticmethod
-    def replayer(header, weights, load_model=None):
-        def replay(update):
-            weights.update({int(s): float(c) for s, c in update["coefficients"]}, 0.0, header["names"])
-
-        return replay
-
-
-if NormsOnlySpace.name not in SEARCH_SPACES:
-    register(NormsOnlySpace)
 
 
 def longest_reward(completions, **kwargs):

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
+from helpers import REPOSITORY, upper_vocab_share
 from helpers import es_config as config
-from helpers import upper_vocab_share
 
 from trl_es import ESTrainer
 from trl_es.es import NoiseTable, ParameterSnapshot, member_groups, partition_parameters
@@ -271,11 +271,10 @@ def test_hyper_es_bad_input(tmp_path, tiny_model_dir, prompt_dataset):
 )
 def test_search_space_recipes_run(recipe, tmp_path, tiny_model_dir, merge_parts):
     """Each recipe in examples/search_spaces/ runs through `trl-es es` (on the tiny model, one step)."""
-    from pathlib import Path
 
     from trl_es.cli import main
 
-    path = Path(__file__).parents[1] / "examples" / "search_spaces" / f"{recipe}.yaml"
+    path = REPOSITORY / "examples" / "search_spaces" / f"{recipe}.yaml"
     out = tmp_path / "out"
     overrides = [
         "--model_name_or_path",

@@ -5,10 +5,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPOSITORY
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
-EXAMPLE = Path(__file__).parents[1] / "examples" / "sequential.py"
+EXAMPLE = REPOSITORY / "examples" / "sequential.py"
 
 
 def token_sum_reward(completion_ids, **kwargs):

@@ -14,6 +14,7 @@ import re
 
 import pytest
 from datasets import Dataset
+from helpers import DATA
 
 from trl_es import ESConfig, ESTrainer
 
@@ -218,9 +219,8 @@ RECIPES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_trl_grpo_recipes_run_through_trl_es(tmp_path, tiny_model_dir, recipe):
-    from pathlib import Path
 
-    zen = Path(__file__).parent / "data" / "zen"
+    zen = DATA / "zen"
     body = RECIPES[recipe].format(deepmath=deepmath_dir(tmp_path), zen=zen)
     path = tmp_path / "recipe.yaml"
     path.write_text(
@@ -235,14 +235,13 @@ def test_trl_grpo_recipes_run_through_trl_es(tmp_path, tiny_model_dir, recipe):
 @pytest.mark.slow
 def test_trl_cli_test_grpo_command(tmp_path, tiny_model_dir):
     """TRL's tests/test_cli.py `test_grpo`, with the tiny model's own reward model stand-in and the offline zen."""
-    from pathlib import Path
 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     reward_model = tmp_path / "reward-model"
     AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).save_pretrained(reward_model)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(reward_model)
-    zen = str(Path(__file__).parent / "data" / "zen")
+    zen = str(DATA / "zen")
     code = es_cli("--output_dir", str(tmp_path / "out"), "--model_name_or_path", tiny_model_dir,
                   "--reward_model_name_or_path", str(reward_model), "--dataset_name", zen,
                   "--dataset_config", "standard_prompt_only", "--num_generations", "4", "--max_completion_length",

@@ -8,66 +8,34 @@ As TRL's tests do, the model's `generate` is patched to decide when a completion
 generated, so completions (and rewards) still differ between members.
 """
 
-import os
-import sys
 import time
-from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
-import trl
 from datasets import Dataset
+from helpers import (  # noqa: E402
+    CALL,
+    agent_config,
+    answer_digits,
+    build_tiny_model,
+    dice_script,
+    dice_trainer,
+    digits,
+    scripted,
+    tool_tokenizer,
+    weights,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-
-sys.path.insert(0, os.path.dirname(__file__))
-from helpers import build_tiny_model, es_config, weights  # noqa: E402
 
 from trl_es import ESConfig, ESTrainer, load_chain
 from trl_es.es import weights_hash
-
-
-QWEN_TEMPLATE = Path(trl.__file__).parent / "chat_templates" / "qwen2_5.jinja"
-CALL = '<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call><|im_end|>'
 
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory, tokenizer_dir):
     """The tiny Llama with a context that holds the tool template's system prompt (~200 tokens) and an episode."""
     return build_tiny_model(tmp_path_factory.mktemp("agents") / "model", tokenizer_dir, max_position_embeddings=1024)
-
-
-def tool_tokenizer(model_dir):
-    """SmolLM2's tokenizer with TRL's Qwen2.5 template (the same special tokens; it can call tools)."""
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.chat_template = QWEN_TEMPLATE.read_text()
-    return tokenizer
-
-
-def scripted(trainer, script):
-    """Patch `trainer.model.generate`: the real `generate` runs, then `script(row, prompt_text, generated_ids)` gives
-    each row's completion text. Returns the list of batch sizes of the calls."""
-    real, tokenizer, calls = trainer.model.generate, trainer.processing_class, []
-
-    def generate(input_ids, **kwargs):
-        output = real(input_ids=input_ids, **kwargs)
-        width, rows = input_ids.shape[1], []
-        calls.append(input_ids.shape[0])
-        for i in range(input_ids.shape[0]):
-            text = script(i, tokenizer.decode(input_ids[i]), output[i, width:].tolist())
-            rows.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-        longest = max(map(len, rows))
-        padded = [row + [tokenizer.pad_token_id] * (longest - len(row)) for row in rows]
-        return torch.cat([input_ids, torch.tensor(padded, device=input_ids.device)], dim=1)
-
-    trainer.model.generate = generate
-    return calls
-
-
-def digits(ids, k=2) -> str:
-    """Part of what the member generated, as text the reward can see: its first token ids' last digits."""
-    return "".join(str(t % 10) for t in ids[:k])
 
 
 def conversational(n=4):
@@ -100,16 +68,6 @@ async def async_multiply_tool(a: int, b: int) -> int:
     return a * b
 
 
-def answer_digits(completions, **kwargs):
-    """The digits of the completion's last message, read as a number / 100: differs between members."""
-    return [sum(int(c) for c in m[-1]["content"] if c.isdigit()) / 100 for m in completions]
-
-
-def config(tmp_path, **overrides):
-    values = dict(per_device_train_batch_size=3, num_generations=1, max_completion_length=96, max_steps=1)
-    return es_config(tmp_path, **{**values, **overrides})
-
-
 def moved(trainer, start: dict) -> bool:
     return any(not torch.equal(p, start[name]) for name, p in trainer.model.named_parameters())
 
@@ -134,7 +92,7 @@ def test_tools_are_called_and_failures_become_error_text(tmp_path, tiny_model_di
         seen.extend(completions)
         return answer_digits(completions)
 
-    args = config(tmp_path, log_completions=True)
+    args = agent_config(tmp_path, log_completions=True)
     trainer = ESTrainer(tiny_model_dir, reward, args=args, train_dataset=conversational(3), tools=[tool],
                         processing_class=tool_tokenizer(tiny_model_dir))  # fmt: skip
     start = weights(trainer.model)
@@ -161,7 +119,7 @@ def test_malformed_tool_calls_are_text(tmp_path, tiny_model_dir):
         '<toolcall>\n{"arguments": {"a": 3, "b": 4}}\n</toolcall><|im_end|>',
         '<tool_call>\n{"arguments": {a: 3, b: 4}}\n</tool_call><|im_end|>',
     ]
-    trainer = ESTrainer(tiny_model_dir, answer_digits, args=config(tmp_path), train_dataset=conversational(3),
+    trainer = ESTrainer(tiny_model_dir, answer_digits, args=agent_config(tmp_path), train_dataset=conversational(3),
                         tools=[multiply_tool], processing_class=tool_tokenizer(tiny_model_dir))  # fmt: skip
     batches = scripted(trainer, lambda row, prompt, ids: rows[row % 3])
     trainer.train()
@@ -206,7 +164,7 @@ def test_environment_owned_reward_and_data_without_a_dataset(tmp_path, tiny_mode
     """TRL's test_train_with_environment_factory + test_train_with_environment_owned_reward: no dataset, no reward
     functions; the environment's `get_reward` is the reward (named after the class, weight 1), its public methods
     the tools; one instance per episode."""
-    trainer = ESTrainer(tiny_model_dir, args=config(tmp_path, max_steps=2), environment_factory=Counter,
+    trainer = ESTrainer(tiny_model_dir, args=agent_config(tmp_path, max_steps=2), environment_factory=Counter,
                         processing_class=tool_tokenizer(tiny_model_dir))  # fmt: skip
     assert trainer.reward_func_names == ["Counter"] and trainer.reward_weights.tolist() == [1.0]
     assert [tool.__name__ for tool in trainer.agents.tools] == ["increment"]  # not reset, not get_reward
@@ -244,13 +202,13 @@ def test_environment_owned_reward_beside_reward_functions_and_mixed_environments
             return x
 
     tokenizer = tool_tokenizer(tiny_model_dir)
-    args = config(tmp_path, reward_weights=[0.5])
+    args = agent_config(tmp_path, reward_weights=[0.5])
     trainer = ESTrainer(
         tiny_model_dir, format_reward, args=args, environment_factory=Counter, processing_class=tokenizer
     )
     assert trainer.reward_func_names == ["format_reward", "Counter"] and trainer.reward_weights.tolist() == [0.5, 1.0]
     dataset = Dataset.from_dict({"environment": ["scored", "scored2", "plain"]})
-    trainer = ESTrainer(tiny_model_dir, format_reward, args=config(tmp_path), train_dataset=dataset,
+    trainer = ESTrainer(tiny_model_dir, format_reward, args=agent_config(tmp_path), train_dataset=dataset,
                         environment_factory={"scored": Counter, "scored2": Counter, "plain": Plain},
                         processing_class=tokenizer)  # fmt: skip
     assert trainer.reward_func_names == ["format_reward", "Counter"]  # one column per environment class
@@ -296,7 +254,7 @@ def test_several_environments_each_with_its_tools_and_an_unknown_one(tmp_path, t
     dataset = Dataset.from_dict({"environment": ["counter", "echo"] * 2})
     tokenizer = tool_tokenizer(tiny_model_dir)
     factories = {"counter": Count, "echo": Echo}
-    trainer = ESTrainer(tiny_model_dir, answer_digits, args=config(tmp_path, per_device_train_batch_size=4),
+    trainer = ESTrainer(tiny_model_dir, answer_digits, args=agent_config(tmp_path, per_device_train_batch_size=4),
                         train_dataset=dataset, environment_factory=factories, processing_class=tokenizer)  # fmt: skip
     scripted(trainer, script)
     seen["counter"].clear(), seen["echo"].clear()  # the reproducibility check reset a pair of each
@@ -305,7 +263,7 @@ def test_several_environments_each_with_its_tools_and_an_unknown_one(tmp_path, t
     assert log["tools/call_frequency"] == 1 and log["tools/failure_frequency"] == 0  # each used its own tool
     assert seen["counter"] and seen["echo"] and all("environment" not in kwargs for kwargs in seen["counter"])
     unknown = Dataset.from_dict({"environment": ["unknown"] * 3})
-    trainer = ESTrainer(tiny_model_dir, answer_digits, args=config(tmp_path), train_dataset=unknown,
+    trainer = ESTrainer(tiny_model_dir, answer_digits, args=agent_config(tmp_path), train_dataset=unknown,
                         environment_factory={"counter": Count}, processing_class=tokenizer)  # fmt: skip
     with pytest.raises(ValueError, match="not among the environments"):
         trainer.train()
@@ -314,14 +272,16 @@ def test_several_environments_each_with_its_tools_and_an_unknown_one(tmp_path, t
 def test_bad_agent_set_ups_get_trl_errors(tmp_path, tiny_model_dir):
     tokenizer = tool_tokenizer(tiny_model_dir)
     with pytest.raises(ValueError, match="No reward source provided"):
-        ESTrainer(tiny_model_dir, args=config(tmp_path), train_dataset=conversational(), processing_class=tokenizer)
+        ESTrainer(
+            tiny_model_dir, args=agent_config(tmp_path), train_dataset=conversational(), processing_class=tokenizer
+        )
     with pytest.raises(ValueError, match="`train_dataset` is required"):
-        ESTrainer(tiny_model_dir, answer_digits, args=config(tmp_path))
+        ESTrainer(tiny_model_dir, answer_digits, args=agent_config(tmp_path))
     with pytest.raises(ValueError, match="max_steps"):
-        ESTrainer(tiny_model_dir, args=config(tmp_path, max_steps=-1), environment_factory=Counter,
+        ESTrainer(tiny_model_dir, args=agent_config(tmp_path, max_steps=-1), environment_factory=Counter,
                   processing_class=tokenizer)  # fmt: skip
     with pytest.raises(ValueError, match="requires a `train_dataset`"):
-        ESTrainer(tiny_model_dir, answer_digits, args=config(tmp_path), environment_factory={"a": Counter},
+        ESTrainer(tiny_model_dir, answer_digits, args=agent_config(tmp_path), environment_factory={"a": Counter},
                   processing_class=tokenizer)  # fmt: skip
 
     class NoReset:
@@ -334,10 +294,10 @@ def test_bad_agent_set_ups_get_trl_errors(tmp_path, tiny_model_dir):
             return x
 
     with pytest.raises(ValueError, match="no `reset` method"):
-        ESTrainer(tiny_model_dir, answer_digits, args=config(tmp_path), environment_factory=NoReset,
+        ESTrainer(tiny_model_dir, answer_digits, args=agent_config(tmp_path), environment_factory=NoReset,
                   processing_class=tokenizer)  # fmt: skip
     with pytest.raises(ValueError, match="cannot call tools: set a tool-capable chat template"):  # SmolLM2's own
-        ESTrainer(tiny_model_dir, answer_digits, args=config(tmp_path), train_dataset=conversational(),
+        ESTrainer(tiny_model_dir, answer_digits, args=agent_config(tmp_path), train_dataset=conversational(),
                   tools=[multiply_tool])  # fmt: skip
 
 
@@ -358,7 +318,7 @@ def test_rollout_func_keys_extra_fields_and_env_mask(tmp_path, tiny_model_dir):
         return score
 
     dataset = Dataset.from_dict({"prompt": [f"Count to {k}:" for k in range(3)]})
-    args = config(tmp_path, num_generations=2, max_completion_length=6)
+    args = agent_config(tmp_path, num_generations=2, max_completion_length=6)
     trainer = ESTrainer(tiny_model_dir, from_rollout, args=args, train_dataset=dataset, rollout_func=rollout_func)
     trainer.train()
     prompts = seen["prompts"]  # the step's rows (shuffled), each twice in a row
@@ -366,14 +326,14 @@ def test_rollout_func_keys_extra_fields_and_env_mask(tmp_path, tiny_model_dir):
     log = trainer.state.log_history[0]
     assert log["completions/max_length"] <= 6  # the two environment tokens are left out
     with pytest.raises(ValueError, match=r"rollout_func must return keys \['logprobs'\]"):
-        broken = ESTrainer(tiny_model_dir, from_rollout, args=config(tmp_path), train_dataset=dataset,
+        broken = ESTrainer(tiny_model_dir, from_rollout, args=agent_config(tmp_path), train_dataset=dataset,
                            rollout_func=lambda prompts, trainer: {"prompt_ids": [], "completion_ids": []})  # fmt: skip
         broken.train()
 
 
 def test_the_member_is_formed_for_every_turn_of_its_episodes(tmp_path, tiny_model_dir):
     """Every generate call of one member's episodes (first turn, tool turns) runs on that member's weights."""
-    trainer = ESTrainer(tiny_model_dir, answer_digits, args=config(tmp_path, population_size=3), tools=[multiply_tool],
+    trainer = ESTrainer(tiny_model_dir, answer_digits, args=agent_config(tmp_path, population_size=3), tools=[multiply_tool],
                         train_dataset=conversational(3), processing_class=tool_tokenizer(tiny_model_dir))  # fmt: skip
     theta = weights_hash(dict(trainer.model.named_parameters()))
     seen = []
@@ -410,7 +370,7 @@ def test_a_tool_turn_that_would_overflow_the_budget_is_rolled_back_and_iteration
         return answer_digits(completions)
 
     for k, overrides in enumerate([{"max_completion_length": call_length + 2}, {"max_tool_calling_iterations": 0}]):
-        trainer = ESTrainer(tiny_model_dir, reward, args=config(tmp_path / str(k), **overrides), tools=[multiply_tool],
+        trainer = ESTrainer(tiny_model_dir, reward, args=agent_config(tmp_path / str(k), **overrides), tools=[multiply_tool],
                             train_dataset=conversational(3), processing_class=tokenizer)  # fmt: skip
         batches = scripted(trainer, budget_script)
         seen.clear()
@@ -445,7 +405,7 @@ def test_a_hanging_tool_times_out_and_the_episode_goes_on(tmp_path, tiny_model_d
             return f"Done {digits(ids)}<|im_end|>"
         return CALL.format(name="slow_tool", arguments='{"a": 1}')
 
-    args = config(tmp_path, population_size=2, per_device_train_batch_size=1, tool_call_timeout=0.2)
+    args = agent_config(tmp_path, population_size=2, per_device_train_batch_size=1, tool_call_timeout=0.2)
     trainer = ESTrainer(tiny_model_dir, reward, args=args, tools=[slow_tool], train_dataset=conversational(1),
                         processing_class=tool_tokenizer(tiny_model_dir))  # fmt: skip
     scripted(trainer, script)
@@ -456,47 +416,6 @@ def test_a_hanging_tool_times_out_and_the_episode_goes_on(tmp_path, tiny_model_d
     assert "tool_call_timeout=0.2" in seen[0][1]["content"] and seen[0][-1]["role"] == "assistant"
     with pytest.raises(ValueError, match="tool_call_timeout"):
         ESConfig(output_dir=str(tmp_path), tool_call_timeout=0)
-
-
-class Dice:
-    """An environment drawing its episode from Python's RNG: trl-es seeds it, so every member faces the same one."""
-
-    def reset(self, **kwargs):
-        import random
-
-        self.target, self.hit = random.randint(1, 9), False
-        return f" Roll a {self.target}."
-
-    def roll(self, guess: int) -> str:
-        """Roll.
-
-        Args:
-            guess: The number to roll.
-
-        Returns:
-            Whether the roll hit.
-        """
-        self.hit = guess == self.target
-        return "hit" if self.hit else "miss"
-
-    def get_reward(self) -> float:
-        return float(self.hit)
-
-
-def dice_script(row, prompt, ids):
-    if "tool_response" in prompt:
-        return f"Done {digits(ids)}<|im_end|>"
-    return CALL.format(name="roll", arguments=f'{{"guess": {1 + ids[0] % 9}}}')
-
-
-def dice_trainer(model_dir, out, **overrides):
-    settings = dict(population_size=4, sigma=0.5, learning_rate=0.5, per_device_train_batch_size=2, num_generations=2,
-                    max_steps=2)  # fmt: skip
-    args = config(out, **{**settings, **overrides})
-    trainer = ESTrainer(model_dir, answer_digits, args=args, environment_factory=Dice,
-                        processing_class=tool_tokenizer(model_dir))  # fmt: skip
-    scripted(trainer, dice_script)
-    return trainer
 
 
 @pytest.mark.slow  # three short runs (~30 s)
@@ -534,7 +453,7 @@ def test_an_unreproducible_environment_warns_once_and_a_failing_reset_restores_t
             return f" It is {time.perf_counter_ns()}."
 
     with pytest.warns(UserWarning, match="reset under the same seed returned different observations"):
-        ESTrainer(tiny_model_dir, args=config(tmp_path), environment_factory=Clock,
+        ESTrainer(tiny_model_dir, args=agent_config(tmp_path), environment_factory=Clock,
                   processing_class=tool_tokenizer(tiny_model_dir))  # fmt: skip
 
     class Broken(Counter):
@@ -546,7 +465,7 @@ def test_an_unreproducible_environment_warns_once_and_a_failing_reset_restores_t
                 raise ConnectionError("environment server gone")
             return super().reset()
 
-    trainer = ESTrainer(tiny_model_dir, args=config(tmp_path), environment_factory=Broken,
+    trainer = ESTrainer(tiny_model_dir, args=agent_config(tmp_path), environment_factory=Broken,
                         processing_class=tool_tokenizer(tiny_model_dir))  # fmt: skip
     start = weights(trainer.model)
     with pytest.raises(ConnectionError, match="environment server gone"):
