@@ -73,10 +73,10 @@ def test_defaults_follow_qiu_et_al_and_document_every_field(tmp_path):
 def test_every_es_field_is_documented_once_under_a_parameter_group():
     """ESConfig's own fields (its additions and the TrainingArguments defaults it changes) each sit in exactly one
     group of the docstring's Parameters section, with their help text."""
-    from trl_es.training.config import PARAMETER_GROUPS
+    from trl_es.training.config import GROUPS, marked
 
     own = set(ESConfig.__annotations__)
-    grouped = [name for names in PARAMETER_GROUPS.values() for name in names]
+    grouped = [name for title in GROUPS for name in marked("group", title)]
     assert sorted(grouped) == sorted(own)
     for name in own:
         assert f"        {name} (`" in ESConfig.__doc__

@@ -119,7 +119,7 @@ def colocate(out: Path) -> dict:
     hf, results["hf_rewards"], results["hf_seconds"] = run(out, model_dir, "hf")
     vl, results["vllm_rewards"], results["vllm_seconds"] = run(out, model_dir, "vllm", use_vllm=True)
     results["same_final_weights"] = fingerprint(hf.model) == fingerprint(vl.model)
-    results["members_in_place"] = vl.generation.members_in_place
+    results["members_in_place"] = vl.weights.members_in_place
     eval_dataset = Dataset.from_dict({"prompt": PROMPTS[:4]})
     results["hf_eval"], results["vllm_eval"] = (
         {k: v for k, v in t.evaluate(eval_dataset).items() if k != "eval_runtime"} for t in (hf, vl)
@@ -187,7 +187,7 @@ def colocate(out: Path) -> dict:
     finally:  # the scenarios after this one find views again
         ESWorkerExtension._es_find_views = find_views
     results["copied_warned"] = any("cannot be written in place" in str(w.message) for w in caught)
-    results["copied_in_place"] = copied.generation.members_in_place
+    results["copied_in_place"] = copied.weights.members_in_place
     results["copied_same_final_weights"] = fingerprint(hf.model) == fingerprint(copied.model)
     try:  # one colocated engine per process: the later trainer's engine shut the earlier one's down
         generation.generate(PROMPTS, prompt_ids, 2, [0] * 2 * len(PROMPTS))
@@ -214,7 +214,7 @@ def lowrank(out: Path) -> dict:
                                          **settings)  # fmt: skip
     results["same_final_weights"] = fingerprint(hf.model) == fingerprint(vl.model)
     results["vllm_holds_theta"] = vl.weights.fingerprint() == vl.weights.local.fingerprint()
-    results["in_place"] = vl.generation.members_in_place
+    results["in_place"] = vl.weights.members_in_place
 
     # a member's effective weights inside vLLM (W + adapter B·A) against the hooks' W + σ·sign/√r·A·Bᵀ
     from trl_es.es.lowrank import LowRankPopulation
@@ -222,7 +222,7 @@ def lowrank(out: Path) -> dict:
     space, inside_vllm = vl.space, extension(vl)
     members = [(member_seed(5, 1, 0), 1), (member_seed(5, 1, 1), -1)]
     results["member_weight_errors"] = []
-    with vl.generation.lowrank_members([(seed, space.sigma * sign) for seed, sign in members]):
+    with vl.weights.lowrank_members([(seed, space.sigma * sign) for seed, sign in members]):
         for name, module in list(space.targets.items())[:3]:
             hooks = LowRankPopulation({name: module}, [m[0] for m in members], [m[1] for m in members], space.sigma, 2)
             b_all, a_all = hooks.concatenated_factors(name, module.weight)

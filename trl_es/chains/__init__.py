@@ -2,7 +2,6 @@
 loading and replay)."""
 
 from .chain import (
-    CHAIN_SETTINGS,
     FILE,
     FORMAT,
     Base,
@@ -20,7 +19,6 @@ from .chain import (
 
 
 __all__ = [
-    "CHAIN_SETTINGS",
     "FILE",
     "FORMAT",
     "Base",

@@ -18,6 +18,7 @@ error before anything is written. Replay is bitwise on the device type and dtype
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -59,7 +60,7 @@ class Header(TypedDict):
     parameters: list[str]  # the ES parameters' names, in order
     noise: dict  # {"seed", "table_size"}: the noise table's
     space: dict  # the search space's `chain_header()` (`kind` = its registered name), plus "optimizer" with one
-    settings: dict  # `CHAIN_SETTINGS` of ESConfig, for the reader (replay needs none of them)
+    settings: dict  # ESConfig's fields marked `chain`, for the reader (replay needs none of them)
 
 
 class StepRecord(TypedDict):
@@ -68,12 +69,6 @@ class StepRecord(TypedDict):
 
     step: int
     update: dict | None
-
-
-CHAIN_SETTINGS = ("population_size", "sigma", "sigma_decay", "sigma_limit", "learning_rate", "lr_scheduler_type",
-                  "weight_decay", "antithetic", "fitness_shaping", "es_baseline", "es_search_space", "num_generations",
-                  "per_device_train_batch_size")  # fmt: skip
-"""The ESConfig fields a chain records for the reader (replay needs only the updates)."""
 
 
 def _checksum(content: dict) -> str:
@@ -98,7 +93,7 @@ def run_header(args, params, space, optimizer) -> dict:
         "parameters": list(params),
         "noise": {"seed": args.seed, "table_size": args.noise_table_size},
         "space": {**space.chain_header(), **optimizer},
-        "settings": {name: getattr(args, name) for name in CHAIN_SETTINGS},
+        "settings": {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.metadata.get("chain")},
     }
 
 

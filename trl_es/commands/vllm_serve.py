@@ -21,7 +21,7 @@ import secrets
 import sys
 import warnings
 
-from ..generation.vllm_backend import TOKEN_VARIABLE, WORKER_EXTENSION, require_vllm
+from ..generation.vllm_engine import TOKEN_VARIABLE, WORKER_EXTENSION, require_vllm
 
 
 class TokenMiddleware:

@@ -25,6 +25,7 @@ import torch
 from .seeds import lowrank_seed
 from .space import Direction, SearchSpace, directions, register
 from .update import not_finite, update_coefficients
+from .weights import AdapterWeights
 
 
 def lowrank_factors(
@@ -205,7 +206,7 @@ def write_lowrank_gradient(tensors: dict[str, torch.nn.Parameter], coefficients:
 class LowRankSpace(SearchSpace):
     """EGGROLL: member i's noise is a rank-r matrix per target `nn.Linear` weight, applied in the forward pass (the
     weights are never written for a member): by a `LowRankPopulation` of hooks on the trainer's model, or with
-    `use_vllm` by vLLM's LoRA adapters, one per member (`adapters`: the `VLLMGeneration`, whose `lowrank_members`
+    `use_vllm` by vLLM's LoRA adapters, one per member (`adapters`: an `AdapterWeights` backend, whose `lowrank_members`
     writes them; `trl_es.generation.vllm_worker`). `members_per_call` members share one batched generate call
     (default: all of this process's). Update: `apply_lowrank_update` on the targets' weights, which are the trainer's
     own tensors (`weights.params`: written in place, undone by `restore`), and the same update inside vLLM."""
@@ -256,7 +257,7 @@ class LowRankSpace(SearchSpace):
         """From ESConfig: the model's `nn.Linear` weights among those ES selects, rank `lowrank_rank`."""
         common = (args.seed, args.population_size, args.sigma, args.lowrank_rank, args.antithetic)
         targets = lowrank_targets(model, weights.params)
-        adapters = weights.generation if args.use_vllm else None  # a VLLMWeights' engine
+        adapters = weights if isinstance(weights, AdapterWeights) else None  # vLLM's LoRA slots
         return cls(weights, targets, *common, args.lowrank_members_per_call, args.es_optimizer, adapters)
 
     def _ask(self, step: int) -> list[Direction]:
@@ -291,7 +292,7 @@ class LowRankSpace(SearchSpace):
             return {"es/gradient_norm": write_lowrank_gradient(tensors, coefficients, self.rank)}, record
         norm = apply_lowrank_update(tensors, coefficients, self.rank)
         if self.adapters is not None:
-            self.weights.mirror(norm, coefficients, 0.0, list(self.targets), self.rank)
+            self.adapters.lowrank_update(norm, coefficients, list(self.targets), self.rank)
         return {"es/update_norm": norm}, record
 
     def chain_header(self) -> dict:

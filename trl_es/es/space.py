@@ -128,8 +128,6 @@ class SearchSpace:
     def build(cls, args, model: torch.nn.Module, weights, load_model: Callable, zero_stage: int | None) -> SearchSpace:
         """The space ESConfig `args` selects for this run (`check_setup`, the weights backend it needs,
         `from_config`), with the run's `UpdateRule`."""
-        if args.es_optimizer and zero_stage == 3:
-            raise ValueError("es_optimizer with ZeRO-3: the optimizer would step on partitioned θ; use ZeRO-2 or none")
         cls.check_setup(args, zero_stage)
         if not isinstance(weights, cls.backend):
             raise ValueError(

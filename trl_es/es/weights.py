@@ -1,12 +1,13 @@
 """Weights backends: where a member's weights are written, stated as protocols. `WeightsBackend` is what every
 backend does; `TrainerWeights` adds what only a backend over the trainer's own tensors can. `LocalWeights` (here)
 is the trainer's and satisfies both; `trl_es.generation.vllm_backend.VLLMWeights` writes members into vLLM's workers
-and satisfies `WeightsBackend`. A search space names the protocol it needs (`SearchSpace.backend`); the trainer
+and satisfies `WeightsBackend` and `AdapterWeights` (low-rank members as the engine's adapters). A search space names the protocol it needs (`SearchSpace.backend`); the trainer
 refuses a backend that lacks it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Protocol, runtime_checkable
@@ -62,6 +63,19 @@ class WeightsBackend(Protocol):
 
     def fingerprint(self) -> str:
         """`weights_hash` of the weights held now: equal only for bitwise-equal weights."""
+
+
+@runtime_checkable
+class AdapterWeights(WeightsBackend, Protocol):
+    """A backend whose engine evaluates low-rank members as adapters (vLLM's LoRA slots), for the low-rank search
+    space: members never written into the weights, updates mirrored from the trainer's tensors."""
+
+    def lowrank_members(self, members: list[tuple[int, float]]) -> contextlib.AbstractContextManager:
+        """Within the context, adapter k holds member k = (seed, σ·sign; scale 0: θ); yields the search space's
+        `Route` for the next generate calls' rows."""
+
+    def lowrank_update(self, norm: float, coefficients: dict[int, float], names: list[str], rank: int) -> None:
+        """The engine takes the low-rank update the trainer's tensors took (norm `norm`), checked by its norm."""
 
 
 @runtime_checkable

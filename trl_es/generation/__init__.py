@@ -2,12 +2,16 @@
 weights backend each comes with: transformers `generate` on the trainer's own tensors, or vLLM (colocated or
 served) whose workers hold the members' weights."""
 
+import dataclasses
+
 from transformers import GenerationConfig
 
 from ..es.weights import LocalWeights
 from ..util.compat import SAMPLING_FIELDS
-from .transformers_backend import Completions, TransformersGeneration
-from .vllm_backend import VLLMGeneration, VLLMWeights, require_vllm
+from .base import Completions, Generation
+from .transformers_backend import TransformersGeneration
+from .vllm_backend import VLLMGeneration, VLLMWeights, start_engine
+from .vllm_engine import require_vllm
 
 
 def decoding_config(tokenizer, eos_token_ids: list[int], max_new_tokens: int, **decoding) -> GenerationConfig:
@@ -29,12 +33,12 @@ def decoding_config(tokenizer, eos_token_ids: list[int], max_new_tokens: int, **
 
 def generation_config(args, tokenizer, eos_token_ids: list[int]) -> GenerationConfig:
     """The trainer's GenerationConfig from ESConfig's generation fields, as GRPOTrainer builds it."""
-    fields = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "cache_implementation")
+    fields = [f.name for f in dataclasses.fields(args) if f.metadata.get("decoding")]
     decoding = {name: getattr(args, name) for name in fields} | (args.generation_kwargs or {})  # kwargs override
     return decoding_config(tokenizer, eos_token_ids, args.max_completion_length, **decoding)
 
 
-def make_backend(model, tokenizer, eos_token_ids, args, accelerator, params, zero_stage):
+def make_backend(model, tokenizer, eos_token_ids, args, accelerator, params):
     """(generation backend, weights backend) for ESConfig's `use_vllm` / `vllm_mode`: transformers `generate` and
     `LocalWeights` over `params`, or vLLM and `VLLMWeights` (the trainer's tensors take the same updates)."""
     generation_args = (model, tokenizer, generation_config(args, tokenizer, eos_token_ids), eos_token_ids)
@@ -43,19 +47,14 @@ def make_backend(model, tokenizer, eos_token_ids, args, accelerator, params, zer
         return TransformersGeneration(*generation_args, args.chat_template_kwargs), local
     if args.vllm_mode == "colocate":  # a server runs vLLM in its own environment; the trainer only talks HTTP
         require_vllm()
-    if zero_stage == 3:
-        raise ValueError("use_vllm=True needs θ whole on every process: use ZeRO-2 or none (ZeRO-3 partitions it)")
-    if args.vllm_mode == "server" and accelerator.num_processes > 1:
-        raise ValueError(
-            f"vllm_mode='server' with {accelerator.num_processes} processes: a server holds one member's weights at "
-            "a time, so one training process drives it. Use one process, or vllm_mode='colocate'."
-        )
-    generation = VLLMGeneration(*generation_args, args.chat_template_kwargs, args, accelerator, params)
-    return generation, VLLMWeights(local, generation)
+    engine = start_engine(model, tokenizer, args, accelerator, params)
+    generation = VLLMGeneration(engine, *generation_args, args.chat_template_kwargs, args)
+    return generation, VLLMWeights(local, generation, args)
 
 
 __all__ = [
     "Completions",
+    "Generation",
     "TransformersGeneration",
     "VLLMGeneration",
     "VLLMWeights",

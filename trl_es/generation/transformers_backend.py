@@ -4,52 +4,12 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
-from dataclasses import dataclass, field, fields
 
 import torch
-from transformers import (
-    GenerationConfig,
-    LogitsProcessor,
-    LogitsProcessorList,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
-from trl.data_utils import is_conversational
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from ..util.compat import SAMPLING_FIELDS, sampling_warpers
-
-
-@dataclass
-class Completions:
-    """Completions for `prompts` repeated `num_generations` times each (prompt-major order). Agent episodes
-    (`trl_es.rollout.episodes`) also fill the per-completion fields after `entropy_sums`."""
-
-    prompts: list
-    completions: list
-    completion_ids: list[list[int]]
-    truncated: list[bool]
-    entropy_sums: list[float] | None = None  # Σ over each completion's tokens of H(π(·|x_<t)), when recorded
-    tool_mask: list[list[int]] | None = None  # 1: a token the model generated, 0: a tool's or environment's
-    environments: list | None = None  # each completion's environment instance
-    tool_calls: list[int] | None = None  # each completion's number of tool calls …
-    tool_failures: list[int] | None = None  # … and of those that failed
-    extras: dict[str, list] = field(default_factory=dict)  # a rollout_func's extra fields, one value per completion
-
-    def select(self, start: int, end: int) -> Completions:
-        """Completions start..end-1 (e.g. one member's rows of a batched population)."""
-        part = lambda values: None if values is None else values[start:end]  # noqa: E731
-        return Completions(
-            *(part(getattr(self, f.name)) for f in fields(self) if f.name != "extras"),
-            extras={key: values[start:end] for key, values in self.extras.items()},
-        )
-
-    @property
-    def lengths(self) -> list[int]:
-        """Each completion's number of model-generated tokens (tool results left out, as in GRPOTrainer)."""
-        if self.tool_mask is None:
-            return [len(ids) for ids in self.completion_ids]
-        return [sum(mask) for mask in self.tool_mask]
+from .base import Generation
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -98,76 +58,11 @@ def greedy_config(config: GenerationConfig) -> GenerationConfig:
     return config
 
 
-class TransformersGeneration:
-    """Tokenizes prompts as GRPOTrainer does (chat template for conversational prompts, plain text otherwise),
-    generates in one left-padded batch, and cuts each completion after its first EOS."""
+class TransformersGeneration(Generation):
+    """Generates in one left-padded batch with transformers' `generate` and cuts each completion after its first
+    EOS; records token entropies."""
 
-    records_entropy = True  # `generate(..., record_entropy=True)` gives each completion's token entropy
-
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
-        generation_config: GenerationConfig,
-        eos_token_ids: list[int],
-        chat_template_kwargs: dict | None = None,
-    ):
-        self.model = model
-        self.tokenizer = tokenizer
-        self.generation_config = generation_config
-        self.eos_token_ids = eos_token_ids
-        self.chat_template_kwargs = chat_template_kwargs or {}
-        self.warned_context = False
-
-    def tokenize(self, prompts: list) -> list[list[int]]:
-        """Token ids of each prompt; a ValueError names an empty or missing prompt, and a prompt that leaves no room
-        for the completion within the model's context warns (once)."""
-        prompts = list(prompts)
-        for k, prompt in enumerate(prompts):
-            if prompt is None or not (prompt.strip() if isinstance(prompt, str) else prompt):
-                raise ValueError(
-                    f"prompt {k} of this step is {'None' if prompt is None else 'empty'} ({prompt!r}): every row needs "
-                    "a prompt, text or a list of chat messages"
-                )
-        if is_conversational({"prompt": prompts[0]}):
-            ids = self.tokenizer.apply_chat_template(
-                conversation=prompts,
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-                **self.chat_template_kwargs,
-            )["input_ids"]
-        else:
-            ids = self.tokenizer(text=prompts)["input_ids"]
-        self._check_context(max(map(len, ids)))
-        return ids
-
-    @property
-    def max_model_length(self) -> int | None:
-        """The longest prompt + completion the engine takes (the model's context)."""
-        return getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-
-    def _check_context(self, prompt_length: int) -> None:
-        context = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        needed = prompt_length + (self.generation_config.max_new_tokens or 0)
-        if context and needed > context and not self.warned_context:
-            self.warned_context = True
-            warnings.warn(
-                f"a prompt of {prompt_length} tokens plus max_completion_length={self.generation_config.max_new_tokens} "
-                f"exceeds the model's context (max_position_embeddings={context}); GRPOTrainer does not truncate "
-                "prompts either: what the model generates beyond its context is unreliable. Shorten the prompts or "
-                "max_completion_length.",
-                stacklevel=2,
-            )
-
-    def generate(
-        self, prompts: list, prompt_ids: list[list[int]], num_generations: int, seeds: list[int], record_entropy=False
-    ) -> Completions:
-        """`num_generations` completions of each prompt (prompt-major order), completion r sampled with `seeds[r]`
-        (`trl_es.es.seeds.completion_seeds`); with `record_entropy`, also each completion's summed token entropy."""
-        rows = [ids for ids in prompt_ids for _ in range(num_generations)]
-        completion_ids, truncated, entropy_sums = self.generate_ids(rows, seeds, record_entropy)
-        return self.completions(prompts, num_generations, completion_ids, truncated, entropy_sums)
+    records_entropy = True
 
     @torch.no_grad()
     def generate_ids(
@@ -219,14 +114,3 @@ class TransformersGeneration:
             per_step = torch.stack(recorder.steps, dim=1).double()  # (rows, generated steps)
             entropy_sums = [float(per_step[row, : len(ids)].sum()) for row, ids in enumerate(completion_ids)]
         return completion_ids, truncated, entropy_sums
-
-    def completions(self, prompts, num_generations, completion_ids, truncated, entropy_sums=None) -> Completions:
-        """The Completions of `completion_ids` (each ending with its EOS unless truncated), decoded as GRPOTrainer does:
-        text for text prompts, an assistant message for conversational ones."""
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        repeated_prompts = [p for p in prompts for _ in range(num_generations)]
-        if is_conversational({"prompt": prompts[0]}):
-            completions = [[{"role": "assistant", "content": text}] for text in texts]
-        else:
-            completions = texts
-        return Completions(repeated_prompts, completions, completion_ids, truncated, entropy_sums)

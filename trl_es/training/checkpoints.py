@@ -31,19 +31,12 @@ from ..chains import Chain
 from ..chains.recorder import ChainRecorder
 from ..research import sparse
 from ..util.atomic import atomic_directory, atomic_write_text, publish_directory
+from .config import marked
 from .reporting import window_means
 
 
 STAGING = ".staging"
 """The folder of `output_dir` where a checkpoint is written before it is renamed into place."""
-
-
-MODEL_CARD_FIELDS = (
-    "es_search_space", "population_size", "sigma", "sigma_decay", "sigma_limit", "learning_rate", "antithetic",
-    "fitness_shaping", "es_baseline", "common_generation_seed", "es_parameter_patterns", "weight_decay",
-    "num_generations", "seed",
-)  # fmt: skip
-"""The ESConfig fields the model card lists."""
 
 
 LOCK = ".trl-es.lock"
@@ -182,7 +175,7 @@ class SavingMixin:
             text = card.read().replace("[None](https://huggingface.co/None)", f"`{self.chain_recorder.model_source}`")
         settings = {
             "base model": get_config_model_id(self.model.config),
-            **{name: getattr(args, name) for name in MODEL_CARD_FIELDS},
+            **{name: getattr(args, name) for name in marked("card")},
             "prompts per step": args.per_device_train_batch_size,
             "steps": self.state.global_step,
             "reward functions": ", ".join(self.reward_functions.names),

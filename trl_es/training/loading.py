@@ -1,11 +1,15 @@
 """What training starts from, checked: the model as ESTrainer takes it (loaded with `trl_es.util.models`), its
-tokenizer, and the prompt datasets (an agent run's included)."""
+tokenizer, the prompt datasets (an agent run's included) and the run's set-up; and how the training data is read
+(`DataMixin`)."""
 
 from __future__ import annotations
 
 import warnings
 
+import torch
+from accelerate.data_loader import BatchSamplerShard
 from datasets import Dataset, IterableDataset
+from torch.utils.data import DataLoader, SequentialSampler
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging
 from trl.trainer.grpo_config import GRPOConfig
@@ -40,6 +44,18 @@ def prepare_model(model, args, processing_class=None, peft_config=None):
     check_model_type(model)
     if peft_config is not None:
         model = add_adapter(model, peft_config, args.seed)
+    if processing_class is None:
+        processing_class = load_tokenizer(model_path, model, args.trust_remote_code)
+    tokenizer = check_tokenizer(processing_class, model)
+    model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    disable_dropout_in_model(model)
+    return model, tokenizer, eos_token_ids(model, tokenizer)
+
+
+def check_setup(args, model, zero_stage: int | None, num_processes: int) -> None:
+    """A ValueError for settings this run's set-up cannot honour, known once the model is loaded and the processes
+    started (ESConfig refuses what its fields alone decide; each search space checks its own, `check_setup`)."""
     if is_peft_model(model) and args.use_vllm:
         raise ValueError(
             "use_vllm=True loads full models into vLLM, which ES perturbs by HF parameter name: train adapters "
@@ -50,13 +66,15 @@ def prepare_model(model, args, processing_class=None, peft_config=None):
             "ESConfig.sparse_delta_tau needs a full model: a PEFT adapter is already a compact update (train "
             "without es_adapter_only to get a sparse delta of the merged model)"
         )
-    if processing_class is None:
-        processing_class = load_tokenizer(model_path, model, args.trust_remote_code)
-    tokenizer = check_tokenizer(processing_class, model)
-    model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    disable_dropout_in_model(model)
-    return model, tokenizer, eos_token_ids(model, tokenizer)
+    if args.use_vllm and zero_stage == 3:
+        raise ValueError("use_vllm=True needs θ whole on every process: use ZeRO-2 or none (ZeRO-3 partitions it)")
+    if args.use_vllm and args.vllm_mode == "server" and num_processes > 1:
+        raise ValueError(
+            f"vllm_mode='server' with {num_processes} processes: a server holds one member's weights at a time, so "
+            "one training process drives it. Use one process, or vllm_mode='colocate'."
+        )
+    if args.es_optimizer and zero_stage == 3:
+        raise ValueError("es_optimizer with ZeRO-3: the optimizer would step on partitioned θ; use ZeRO-2 or none")
 
 
 def check_tokenizer(tokenizer, model) -> PreTrainedTokenizerBase:
@@ -131,9 +149,9 @@ def check_args(args, model) -> ESConfig:
 def training_dataset(dataset, args, environment_factory):
     """The training dataset, checked as GRPOTrainer checks it. An environment may own the data: without a dataset,
     `per_device_train_batch_size` rows of an empty user prompt (which each episode's `reset` fills) drive the run,
-    and `max_steps` sets its length; with one, the `prompt` column is optional (an empty user prompt). An iterable
-    dataset is read with `dataloader_num_workers=0`, as GRPOTrainer reads it (each worker would read the whole
-    stream)."""
+    and `max_steps` sets its length; with one, the `prompt` column is optional (an empty user prompt) and the dataset
+    must have a row. An iterable dataset is read with `dataloader_num_workers=0`, as GRPOTrainer reads it (each
+    worker would read the whole stream)."""
     if isinstance(dataset, IterableDataset) and args.dataloader_num_workers:
         warnings.warn(
             f"dataloader_num_workers={args.dataloader_num_workers} is set to 0 for an iterable train dataset",
@@ -163,9 +181,50 @@ def training_dataset(dataset, args, environment_factory):
     columns = getattr(dataset, "column_names", None) or []
     if "prompt" in columns:
         check_prompt_dataset(dataset)
+    if next(iter(dataset), None) is None:
+        raise ValueError(
+            "`train_dataset` is empty: each episode resets its environment with a row of it. Pass rows, or no "
+            "`train_dataset` when the environment owns the data (then set max_steps)."
+        )
     if multi and "environment" not in columns:
         raise ValueError(
             f"a `dict` `environment_factory` selects each row's environment by its `environment` column, which the "
             f"train_dataset lacks (columns: {columns})"
         )
     return dataset
+
+
+class DataMixin:
+    """How `ESTrainer` reads its training data (Trainer's hooks): every process reads the same prompts, since the
+    population is split across processes, not the data."""
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = ["prompt"]
+
+    def get_train_dataloader(self):
+        """Every process reads the same prompts: the population is split across processes, not the data. So the
+        step's prompts are `per_device_train_batch_size` rows whatever the number of processes. With
+        `shuffle_dataset` (as GRPOConfig's) a map-style dataset is read in a seeded random order, an iterable one
+        through a seeded shuffle buffer; without it, in dataset order."""
+        if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
+            dataset = self.train_dataset
+            if self.args.shuffle_dataset and hasattr(dataset, "shuffle"):
+                dataset = dataset.shuffle(seed=self.args.seed)
+            return DataLoader(  # iterated identically on every process (no Accelerate sharding or dispatching)
+                dataset,
+                batch_size=self._train_batch_size,
+                collate_fn=self.data_collator,
+                num_workers=self.args.dataloader_num_workers,
+            )
+        dataloader = super().get_train_dataloader()
+        if isinstance(dataloader.batch_sampler, BatchSamplerShard):  # undo Accelerate's per-process sharding
+            dataloader.batch_sampler.num_processes, dataloader.batch_sampler.process_index = 1, 0
+        return dataloader
+
+    def _get_train_sampler(self, train_dataset=None):
+        return (
+            super()._get_train_sampler(train_dataset)
+            if self.args.shuffle_dataset
+            else SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
+        )

@@ -223,12 +223,36 @@ class Population:
     for the log (`last_completions`)."""
 
     def __init__(self, args, space, rollout, rewards, processes, tokenize: Callable):
-        self.args, self.space, self.rollout, self.rewards = args, space, rollout, rewards
+        self.args, self.space, self.rollout, self.reward_functions = args, space, rollout, rewards
         self.processes, self.tokenize = processes, tokenize
         self.last_completions, self._completions_step = None, None
 
+    def cost(self) -> str:
+        """One line, printed when training starts: what one ES step generates."""
+        args = self.args
+        members = args.population_size + (args.es_baseline == "center")
+        completions = members * args.per_device_train_batch_size * args.num_generations
+        return (
+            f"trl-es: each ES step generates {completions} completions ({members} members × "
+            f"{args.per_device_train_batch_size} prompts × num_generations={args.num_generations}, each up to "
+            f"{args.max_completion_length} tokens), over {self.processes.accelerator.num_processes} process(es)"
+        )
+
     def layout(self, n_prompts: int) -> SummaryLayout:
-        return SummaryLayout(len(self.rewards.names), n_prompts)
+        return SummaryLayout(len(self.reward_functions.names), n_prompts)
+
+    def rewards(self, summaries: torch.Tensor, n_members: int, n_prompts: int) -> tuple[torch.Tensor, float | None]:
+        """The members' rewards R_i (the last `n_members` rows, aggregated as `multi_objective_aggregation` says)
+        and the centre's reward (its row first, when it was evaluated; else None)."""
+        layout, weights = self.layout(n_prompts), self.reward_functions.reward_weights
+        members = layout.member_rewards(summaries[-n_members:], weights, self.args.multi_objective_aggregation)
+        return members, summaries[0, layout.reward].item() if len(summaries) > n_members else None
+
+    def metrics(self, members: torch.Tensor, n_prompts: int, tools: bool) -> dict[str, float]:
+        """The step's metrics of the members' rows (`SummaryLayout.metrics`), with the logs ESConfig asks for."""
+        args = self.args
+        entropy, diversity = args.log_completion_entropy, args.log_population_diversity
+        return self.layout(n_prompts).metrics(members, self.reward_functions.names, entropy, diversity, tools)
 
     def evaluate(self, rows: list[dict], step: int, slots: list, times: dict, **context) -> torch.Tensor:
         """Every slot's summary row (all processes', after the step's one all-reduce); this process evaluates its
@@ -283,13 +307,13 @@ class Population:
         completions, each function's rewards, the columns reward functions added with `log_extra`)."""
         extras = defaultdict(list)
         log_extra = lambda column, values: extras[column].extend(values)  # noqa: E731
-        per_func = self.rewards.score(rows, completions, log_extra=log_extra, **context)
+        per_func = self.reward_functions.score(rows, completions, log_extra=log_extra, **context)
         if self.args.mask_truncated_completions:
             per_func[torch.tensor(completions.truncated, dtype=torch.bool)] = float("nan")
-        combined = self.rewards.combine(per_func)
+        combined = self.reward_functions.combine(per_func)
         success = (combined >= self.args.success_threshold).double().view(len(rows), -1).mean(1)
         row = self.layout(len(rows)).row(
             torch.cat([combined[:, None], per_func], dim=1), completions, success, prompt_tokens
         )
-        table = {name: per_func[:, k].tolist() for k, name in enumerate(self.rewards.names)}
+        table = {name: per_func[:, k].tolist() for k, name in enumerate(self.reward_functions.names)}
         return row, (completions.prompts, completions.completions, table, dict(extras))

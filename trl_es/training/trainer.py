@@ -1,13 +1,8 @@
-"""ESTrainer: Evolution Strategies post-training with GRPOTrainer's contracts.
-
-transformers' Trainer supplies data, logging, callbacks, checkpoints and the Hub; ESTrainer overrides its hooks
-and holds the ES step (`_es_step`), which reads top to bottom: the search space asks for the step's members at σ_t;
-this process evaluates its share of them (`Population`: form the member, roll out, score) and one all-reduce gathers
-every member's summary row; the search space is told the rewards, which is the update rule and the update; the seed
-chain records it; the step's metrics are logged. What a member is lives in the search space (`trl_es.es.space`),
-how completions are produced in the rollout (`trl_es.rollout`), logs and evaluation in
-`trl_es.training.reporting`, checkpoints and saving in `trl_es.training.checkpoints`. Trainer's optimizer is a
-placeholder that only carries α_t, unless `es_optimizer` hands it the gradient estimate.
+"""ESTrainer: Evolution Strategies post-training with GRPOTrainer's contracts. transformers' Trainer supplies data,
+logging, callbacks, checkpoints and the Hub; ESTrainer overrides its hooks and holds the ES step (`_es_step`), which
+reads top to bottom: ask the search space for the step's members (`trl_es.es.space`) → evaluate this process's share
+(`Population`: form, roll out, score) → one all-reduce → tell the search space the rewards (the update rule and the
+update) → record the seed chain → log. Trainer's optimizer only carries α_t, unless `es_optimizer` gives it ĝ.
 """
 
 from __future__ import annotations
@@ -19,9 +14,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
-from accelerate.data_loader import BatchSamplerShard
 from datasets import Dataset, IterableDataset
-from torch.utils.data import DataLoader, SequentialSampler
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from trl.trainer.utils import get_config_model_id, identity
 
@@ -35,7 +28,15 @@ from ..util.models import load_starting_model
 from .checkpoints import SavingMixin
 from .config import ESConfig
 from .distributed import Processes
-from .loading import check_args, check_eval_dataset, check_model_type, prepare_model, training_dataset
+from .loading import (
+    DataMixin,
+    check_args,
+    check_eval_dataset,
+    check_model_type,
+    check_setup,
+    prepare_model,
+    training_dataset,
+)
 from .population import DistanceFromStart, Population
 from .reporting import ReportingMixin
 
@@ -43,7 +44,7 @@ from .reporting import ReportingMixin
 check_trainer_hooks()
 
 
-class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
+class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
     """Evolution Strategies trainer with GRPOTrainer's arguments and their meaning.
 
     Each step evaluates `population_size` perturbed copies of the model on the step's prompts, scores their
@@ -64,22 +65,17 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         reward_processing_classes (*optional*): tokenizers of reward models, as in GRPOTrainer.
         callbacks (*optional*): Trainer callbacks.
         peft_config (`peft.PeftConfig`, *optional*): a new adapter; ES then perturbs its weights only.
+        tools, environment_factory (*optional*): agent episodes, as in GRPOTrainer (`trl_es.rollout.episodes`).
+        rollout_func (*optional*): `rollout_func(prompts, trainer)`, the user's own generation, as in GRPOTrainer.
 
-    Example:
+    Example (the README's quick start runs offline on SmolLM2):
 
     ```python
-    from datasets import Dataset
-    from trl_es import ESConfig, ESTrainer
-
-    def reward_correct(completions, answer, **kwargs):
-        return [1.0 if a in c else 0.0 for c, a in zip(completions, answer)]
-
-    dataset = Dataset.from_dict({"prompt": ["What is 2 + 3?"] * 8, "answer": ["5"] * 8})
     trainer = ESTrainer(
         model="HuggingFaceTB/SmolLM2-135M-Instruct",
-        reward_funcs=reward_correct,
+        reward_funcs=reward_correct,  # as for GRPOTrainer
         args=ESConfig(output_dir="es-out", population_size=8, sigma=3e-3, learning_rate=2e-3, max_steps=10),
-        train_dataset=dataset,
+        train_dataset=dataset,  # a "prompt" column and the columns the rewards read
     )
     trainer.train()
     ```
@@ -148,13 +144,14 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         # build a training engine, save engine checkpoints and gather through it, none of which applies to ES.
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         self.is_deepspeed_enabled = False
+        check_setup(args, self.model, zero_stage, self.accelerator.num_processes)
         n_slots = args.population_size + (args.es_baseline == "center")
         self.processes = Processes(self.accelerator, zero_stage, args.ddp_timeout, n_slots)
         self.model.add_model_tags(self._tag_names)
         self.reward_functions.to(self.accelerator.device)
         self.es_params = select_parameters(self.model.named_parameters(), args.es_parameter_patterns)
         self.generation, self.weights = make_backend(
-            self.model, processing_class, eos_ids, args, self.accelerator, self.es_params, zero_stage
+            self.model, processing_class, eos_ids, args, self.accelerator, self.es_params
         )
         space = search_space(args.es_search_space)
         self.space = space.build(args, self.model, self.weights, load_starting_model, zero_stage)
@@ -182,10 +179,6 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
     )
 
     # ---- Trainer plumbing -------------------------------------------------------------------------------------
-
-    def _set_signature_columns_if_needed(self):
-        if self._signature_columns is None:
-            self._signature_columns = ["prompt"]
 
     def create_optimizer(self, model=None):
         """With `es_optimizer`, Trainer's optimizer (`optim`, …), which the ES step itself steps on the gradient
@@ -230,38 +223,11 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         self._es_step(inputs, self.state.global_step, learning_rate)
         return torch.zeros((), device=self.args.device)
 
-    def get_train_dataloader(self):
-        """Every process reads the same prompts: the population is split across processes, not the data. So the
-        step's prompts are `per_device_train_batch_size` rows whatever the number of processes. With
-        `shuffle_dataset` (as GRPOConfig's) a map-style dataset is read in a seeded random order, an iterable one
-        through a seeded shuffle buffer; without it, in dataset order."""
-        if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
-            dataset = self.train_dataset
-            if self.args.shuffle_dataset and hasattr(dataset, "shuffle"):
-                dataset = dataset.shuffle(seed=self.args.seed)
-            return DataLoader(  # iterated identically on every process (no Accelerate sharding or dispatching)
-                dataset,
-                batch_size=self._train_batch_size,
-                collate_fn=self.data_collator,
-                num_workers=self.args.dataloader_num_workers,
-            )
-        dataloader = super().get_train_dataloader()
-        if isinstance(dataloader.batch_sampler, BatchSamplerShard):  # undo Accelerate's per-process sharding
-            dataloader.batch_sampler.num_processes, dataloader.batch_sampler.process_index = 1, 0
-        return dataloader
-
-    def _get_train_sampler(self, train_dataset=None):
-        return (
-            super()._get_train_sampler(train_dataset)
-            if self.args.shuffle_dataset
-            else SequentialSampler(train_dataset if train_dataset is not None else self.train_dataset)
-        )
-
     def train(self, *args, **kwargs):
         try:
             self.lock_output_dir()
             self._skipped_steps = 0
-            self.accelerator.print(self._step_cost(), file=sys.stderr, flush=True)  # on the main process
+            self.accelerator.print(self.population.cost(), file=sys.stderr, flush=True)  # on the main process
             output = super().train(*args, **kwargs)
             if self.state.global_step == 0:
                 raise ValueError("no ES step ran: the training dataset gave no prompts (is it empty?)")
@@ -277,17 +243,6 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
             self.weights.release()  # the copy of θ and the noise table, rebuilt from the seed when needed
             self._distance = None
             self.unlock_output_dir()
-
-    def _step_cost(self) -> str:
-        """One line, printed when training starts: what one ES step generates."""
-        args = self.args
-        members = args.population_size + (args.es_baseline == "center")
-        completions = members * args.per_device_train_batch_size * args.num_generations
-        return (
-            f"trl-es: each ES step generates {completions} completions ({members} members × "
-            f"{args.per_device_train_batch_size} prompts × num_generations={args.num_generations}, each up to "
-            f"{args.max_completion_length} tokens), over {self.accelerator.num_processes} process(es)"
-        )
 
     # ---- The ES step ------------------------------------------------------------------------------------------
 
@@ -314,9 +269,7 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
                     rows, step, slots, times, trainer_state=self.state, log_metric=log_metric
                 )
                 timer = time.perf_counter()
-                layout, weights = self.population.layout(len(rows)), self.reward_functions.reward_weights
-                rewards = layout.member_rewards(summaries[-len(members) :], weights, args.multi_objective_aggregation)
-                center = summaries[0, layout.reward].item() if len(slots) > len(members) else None
+                rewards, center = self.population.rewards(summaries, len(members), len(rows))
                 outcome, record = self.space.tell(members, rewards, learning_rate, center)
                 self.chain_recorder.record(step, record)
                 times["update"] = time.perf_counter() - timer
@@ -333,19 +286,13 @@ class ESTrainer(ReportingMixin, SavingMixin, BaseTrainer):
         """The step's metrics, from the members' all-reduced summaries: the same whatever the number of processes.
         `num_tokens` counts, as GRPOTrainer's, the prompt and completion tokens seen so far, here by every member
         (a prompt's tokens once per completion; an agent episode's first prompt, as its environment reset it)."""
-        args, metrics, layout = self.args, self._metrics, self.population.layout(n_prompts)
-        if center is not None:
-            metrics["es/center_reward"].append(center)
         tools = self.agents is not None and bool(self.agents.tools)
-        names, entropy, diversity = (
-            self.reward_functions.names,
-            args.log_completion_entropy,
-            args.log_population_diversity,
+        step = ({} if center is None else {"es/center_reward": center}) | self.population.metrics(
+            members, n_prompts, tools
         )
-        step = layout.metrics(members, names, entropy, diversity, tools)
-        self.state.num_input_tokens_seen += layout.tokens(members)
+        self.state.num_input_tokens_seen += self.population.layout(n_prompts).tokens(members)
         step |= {"num_tokens": self.state.num_input_tokens_seen, "step_time": times["step"]}
         step |= {**outcome, "es/rel_distance_from_start": self._distance()}
         step |= {f"es/time/{name}": times[name] for name in ("generate", "reward", "noise", "update", "communication")}
         for name, value in step.items():
-            metrics[name].append(value)
+            self._metrics[name].append(value)
