@@ -42,9 +42,32 @@ def completion_seeds(call_seed: int, n_prompts: int, n_generations: int) -> list
 
 def environment_seed(seed: int, step: int, prompt: int, generation: int) -> int:
     """The seed an agent environment is reset under for episode (prompt, generation) of step `step`: the same for
-    every member, so they all face the same episodes (common random numbers). Tool calls and `get_reward` run under
-    seeds derived from their episode's (`trl_es.rollout.episodes`)."""
+    every member, so they all face the same episodes (common random numbers). Its `get_reward` runs under
+    `environment_reward_seed` of it."""
     return derive_seed("es-environment", seed, step, prompt, generation)
+
+
+def environment_reward_seed(environment: int) -> int:
+    """The seed an environment's `get_reward` runs under, from the `environment_seed` its episode was reset under:
+    the same for every member."""
+    return derive_seed("es-environment-reward", environment)
+
+
+def environment_check_seed(seed: int) -> int:
+    """The seed the reproducibility check resets each environment under, at the start of a run."""
+    return derive_seed("es-environment-check", seed)
+
+
+def turn_seed(completion: int, turn: int) -> int:
+    """The sampling seed of turn `turn` ≥ 1 of an agent episode whose first turn samples with `completion` (its
+    `completion_seed`)."""
+    return derive_seed("es-turn", completion, turn)
+
+
+def tool_seed(completion: int, call: int) -> int:
+    """The seed a tool runs under: the `call`-th tool call (counted from 1) of the episode whose first turn samples
+    with `completion`; a turn's async calls run together under the seed of its last call."""
+    return derive_seed("es-tool", completion, call)
 
 
 def eval_seed(seed: int, step: int, first_problem: int) -> int:
