@@ -176,7 +176,7 @@ def test_environment_owned_reward_and_data_without_a_dataset(tmp_path, tiny_mode
         1 / 2
     )
     assert 1 / 3 <= log["rewards/Counter/mean"] <= 1  # counters (1..3, 0, 0): each episode its own instance
-    assert len(trainer.agents.pool[None]) == 3  # constructed once per concurrent episode, reset often
+    assert len(trainer.agents.pool[None]) == 4 * 3  # one per episode of a step (members × prompts), reset each step
     assert moved(trainer, start)
 
 
@@ -257,7 +257,7 @@ def test_several_environments_each_with_its_tools_and_an_unknown_one(tmp_path, t
     trainer = ESTrainer(tiny_model_dir, answer_digits, args=agent_config(tmp_path, per_device_train_batch_size=4),
                         train_dataset=dataset, environment_factory=factories, processing_class=tokenizer)  # fmt: skip
     scripted(trainer, script)
-    seen["counter"].clear(), seen["echo"].clear()  # the reproducibility check reset a pair of each
+    seen["counter"].clear(), seen["echo"].clear()  # the reproducibility check reset the first row's environment
     trainer.train()
     log = trainer.state.log_history[0]
     assert log["tools/call_frequency"] == 1 and log["tools/failure_frequency"] == 0  # each used its own tool
@@ -457,16 +457,16 @@ def test_an_unreproducible_environment_warns_once_and_a_failing_reset_restores_t
                   processing_class=tool_tokenizer(tiny_model_dir))  # fmt: skip
 
     class Broken(Counter):
-        resets = 0
+        gone = False
 
         def reset(self, **kwargs):
-            Broken.resets += 1
-            if Broken.resets > 2:  # the reproducibility check's two resets pass
+            if Broken.gone:  # after the reproducibility check
                 raise ConnectionError("environment server gone")
             return super().reset()
 
     trainer = ESTrainer(tiny_model_dir, args=agent_config(tmp_path), environment_factory=Broken,
                         processing_class=tool_tokenizer(tiny_model_dir))  # fmt: skip
+    Broken.gone = True
     start = weights(trainer.model)
     with pytest.raises(ConnectionError, match="environment server gone"):
         trainer.train()

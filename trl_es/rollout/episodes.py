@@ -1,35 +1,44 @@
 """Agent episodes: tools and environments, taken as GRPOTrainer takes them.
 
-`ESTrainer(..., tools=[...], environment_factory=...)` with GRPOTrainer's contracts (TRL's
-`grpo_trainer.py`, whose helpers are imported: `supports_tool_calling`, `add_response_schema`, the prefix-preserving
-template check, `parse_response`, the tool-result suffix):
+`ESTrainer(..., tools=[...], environment_factory=...)` with GRPOTrainer's contracts (TRL's `grpo_trainer.py`, whose
+helpers are imported: `supports_tool_calling`, `add_response_schema`, the prefix-preserving template check,
+`parse_response`, the tool-result suffix):
 
 - `tools`: callables (sync or async) with docstrings, rendered into the prompt by the chat template. A completion's
-  tool calls are parsed (`parse_response`), executed, their results appended as `tool` messages, and generation
-  continues from prompt + completion + tool results, up to `max_tool_calling_iterations` times. A failing or
-  unknown tool becomes `{"error": ...}` text; a turn whose tool results would overflow `max_completion_length` (the
-  whole episode's budget) or the model's context is rolled back and the episode ends there.
+  tool calls are parsed (`parse_response`, when the tokenizer has a response schema), executed (a turn's async calls
+  together), their results appended as `tool` messages, and generation continues from prompt + completion + tool
+  results, up to `max_tool_calling_iterations` times. A failing or unknown tool (or one calling `exit()`) becomes
+  `{"error": ...}` text; a turn whose tool results would overflow `max_completion_length` (the whole episode's
+  budget) or the model's context is rolled back and the episode ends there.
 - `environment_factory`: a callable (or a dict of them, selected by an `environment` column) making an environment
   with `reset(**row)` (a returned string is appended to the last user message), public methods that become tools,
-  and optionally `get_reward()`, an environment-owned reward (weight 1, named after the class). One instance per
-  episode, from a pool: constructed once, reset often.
+  and optionally `get_reward()`, an environment-owned reward (weight 1, named after the class). Instances come from
+  a pool: constructed once, reset often.
 
 What ES adds: an episode is (member, prompt, generation), and the member stays formed for every turn of its
 episodes (the `evaluating` context spans the episode loop; batched low-rank members are routed row by row at every
 turn). Episode (prompt k, generation g) of every member starts from the same reset, seeded by
-`environment_seed(seed, step, k, g)` (common random numbers), and Python's, NumPy's and torch's global RNGs are
-seeded around every environment call, so 1 or K processes, a resumed run and a replay see the same episodes.
+`environment_seed(seed, step, k, g)` (common random numbers): Python's, NumPy's and torch's global RNGs are seeded
+around every reset, tool call and `get_reward`, and a `reset` that takes a `seed` is given it, so 1 or K processes,
+a resumed run and a replay see the same episodes. Each episode of a step has an instance of its own (no member sees
+what another's episode left in it) and its own copy of the row; an instance whose episode had a tool call time out
+is retired (the call may still write into it). The reproducibility check names an environment whose resets depend
+on more than those seeds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
+import concurrent.futures
 import contextlib
 import copy
+import functools
 import inspect
 import random
 import threading
+import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,7 +53,7 @@ from trl.chat_template_utils import (
 )
 from trl.trainer.utils import is_async_callable, shutdown_event_loop_in_daemon, start_event_loop_in_daemon
 
-from ..es.seeds import derive_seed, environment_seed
+from ..es.seeds import environment_check_seed, environment_reward_seed, environment_seed, tool_seed, turn_seed
 from ..generation import Completions
 from ..util.compat import parse_response, tool_suffix_ids
 
@@ -54,6 +63,17 @@ TOOL_TEMPLATE_HINT = (
     "tokenizer.chat_template = open(os.path.join(os.path.dirname(trl.__file__), 'chat_templates', "
     "'qwen2_5.jinja')).read()"
 )
+
+MAX_NESTING = 100
+"""The deepest lists and dicts a completion's tool calls may nest: deeper ones stay text (parsing, copying or
+rendering them would exhaust Python's recursion limit)."""
+
+CHECK_ROUNDS = 3
+"""The reproducibility check resets each of two instances this many times (a start drawn from 5 values that trl-es
+does not seed passes 2·3 − 1 comparisons with probability 5⁻⁵)."""
+
+LARGEST_PICTURED = 10_000
+"""Containers, arrays and tensors of more elements than this are compared by their size only."""
 
 
 @contextlib.contextmanager
@@ -71,6 +91,91 @@ def seeded(seed: int):
             np.random.set_state(numpy_state)
 
 
+@contextlib.contextmanager
+def no_exit(what: str):
+    """A `SystemExit` raised inside (model-written code calling `exit()`) becomes a RuntimeError naming `what`: it
+    fails that call or step, and never ends the run."""
+    try:
+        yield
+    except SystemExit as error:
+        code = "" if error.code is None else repr(error.code)
+        raise RuntimeError(f"{what} called exit({code})") from None
+
+
+async def exit_guarded(coroutine, what: str):
+    """`coroutine`'s result, a `SystemExit` in it raised as `no_exit` raises it (on the event loop, a SystemExit
+    would stop the loop itself)."""
+    with no_exit(what):
+        return await coroutine
+
+
+class ToolTimeout(TimeoutError):
+    """A tool call that did not answer within `tool_call_timeout`."""
+
+    def __init__(self, name: str, timeout: float):
+        super().__init__(f"tool {name} did not answer within tool_call_timeout={timeout} s")
+
+
+def nesting(value) -> int:
+    """How deep lists and dicts nest in `value` (0: neither), counted without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = list(item.values())
+        if isinstance(item, (list, tuple)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in item)
+    return deepest
+
+
+def picture(value, depth: int = 6):
+    """What `value` holds, comparable between instances: plain data as it is, a random generator by its state, an
+    array or tensor by its values, another object by its attributes (`depth` levels down); anything else (a client,
+    a lock, a function) by its type, and anything larger than `LARGEST_PICTURED` elements by its size."""
+    kind = type(value).__qualname__
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return repr(value)
+    if isinstance(value, random.Random):
+        return repr(value.getstate())
+    if isinstance(value, np.random.Generator):
+        return repr(value.bit_generator.state)
+    if isinstance(value, np.random.RandomState):
+        name, keys, *rest = value.get_state()
+        return (name, keys.tobytes(), repr(rest))
+    if isinstance(value, torch.Generator):
+        return value.get_state().numpy().tobytes()
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        size = (str(value.dtype), tuple(value.shape))
+        count = value.size if isinstance(value, np.ndarray) else value.numel()
+        return size if count > LARGEST_PICTURED else (*size, picture(value.tolist(), depth))
+    if depth == 0:
+        return kind
+    if isinstance(value, (dict, list, tuple, set, frozenset, collections.deque)) and len(value) > LARGEST_PICTURED:
+        return (kind, len(value))
+    if isinstance(value, dict):
+        return (kind, [(picture(k, depth - 1), picture(v, depth - 1)) for k, v in value.items()])
+    if isinstance(value, (list, tuple, collections.deque)):
+        return (kind, [picture(v, depth - 1) for v in value])
+    if isinstance(value, (set, frozenset)):
+        return (kind, sorted(repr(picture(v, depth - 1)) for v in value))
+    attributes = getattr(value, "__dict__", None)
+    if isinstance(attributes, dict) and not isinstance(value, (type, types.ModuleType, types.FunctionType)):
+        return (kind, picture(attributes, depth - 1))
+    return kind
+
+
+def attribute_pictures(instance) -> dict:
+    """`picture` of each of `instance`'s attributes (its type's name where one cannot be pictured)."""
+    pictures = {}
+    for name, value in getattr(instance, "__dict__", {}).items():
+        try:
+            pictures[name] = picture(value)
+        except Exception:  # a value whose contents cannot be read: compared by its type
+            pictures[name] = type(value).__qualname__
+    return pictures
+
+
 def environment_methods(environment) -> tuple[list[Callable], bool, bool]:
     """(its public methods, bound: the tools), whether it has `reset`, whether it has `get_reward` — listed on the
     class, as TRL does (listing the instance would evaluate its properties)."""
@@ -85,19 +190,28 @@ def environment_methods(environment) -> tuple[list[Callable], bool, bool]:
     return tools, has_reset, has_reward
 
 
-def environment_reward(env_type: type) -> Callable:
+def environment_reward(env_type: type, around: Callable) -> Callable:
     """The reward function of an environment class that owns its reward: `get_reward()` of each completion's
-    environment of exactly that class, None (no reward) for the others."""
+    environment of exactly that class, inside `around(environment)` (its seeded RNGs), None (no reward) for the
+    others."""
 
     if inspect.iscoroutinefunction(env_type.get_reward):
 
+        async def reward_of(environment):
+            with around(environment):
+                return await environment.get_reward()
+
         async def get_reward(environments, **kwargs):
-            return [await e.get_reward() if type(e) is env_type else None for e in environments]
+            return [await reward_of(e) if type(e) is env_type else None for e in environments]
 
     else:
 
+        def reward_of(environment):
+            with around(environment):
+                return environment.get_reward()
+
         def get_reward(environments, **kwargs):
-            return [e.get_reward() if type(e) is env_type else None for e in environments]
+            return [reward_of(e) if type(e) is env_type else None for e in environments]
 
     get_reward.__name__ = env_type.__name__
     return get_reward
@@ -138,7 +252,10 @@ class Agents:
         self.max_model_length = None
         self.max_iterations = args.max_tool_calling_iterations
         self.environment_tools: dict = {}  # environment name → the tools its episodes are rendered with
-        self.pool: dict = {}  # environment name → reusable instances
+        self.pool: dict = {}  # environment name → its instances, each handed to one episode per step
+        self.step = None  # the `key` of the calls that handed them out
+        self.reset_seeds: dict = {}  # id of an instance → the seed of its last reset
+        self.checked: set = set()  # the environments the reproducibility check has seen
         self.reward_funcs: list[Callable] = []  # environment-owned rewards
         self.tools = list(self.standalone_tools)
         reward_types = []
@@ -155,7 +272,8 @@ class Agents:
             self.tools += [method for method in methods if method.__name__ not in {t.__name__ for t in self.tools}]
             if has_reward and type(instance) not in reward_types:
                 reward_types.append(type(instance))
-                self.reward_funcs.append(environment_reward(type(instance)))
+                self.reward_funcs.append(environment_reward(type(instance), self._rewarding))
+        self.handed = dict.fromkeys(self.pool, 0)  # name → how many of its instances the step's calls handed out
         if self.tools:
             if not supports_tool_calling(tokenizer):
                 raise ValueError(f"the tokenizer's chat template cannot call tools: {TOOL_TEMPLATE_HINT}")
@@ -164,6 +282,10 @@ class Agents:
                 and getattr(tokenizer, "response_schema", None) is None
             ):
                 add_response_schema(tokenizer)
+        # GRPOTrainer parses completions only where the tokenizer has a response schema; else they are text
+        self.parses = any(
+            getattr(tokenizer, name, None) is not None for name in ("response_template", "response_schema")
+        )
         self.chat_template = None
         if self.tools and not is_chat_template_prefix_preserving(tokenizer):
             self.chat_template = get_training_chat_template(tokenizer)
@@ -177,30 +299,97 @@ class Agents:
     def environments(self) -> bool:
         return self.factories is not None
 
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """The most characters one token decodes to: a text longer than n times this has more than n tokens."""
+        return max(map(len, self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])))
+
+    # ---- environments -------------------------------------------------------------------------------------------
+
     def check_reproducible(self, row: dict, seed: int) -> None:
-        """Reset two new instances of each environment under one seed with `row` and compare what they return: an
-        environment whose resets differ gets one warning saying what it breaks."""
-        for name, factory in (self.factories or {}).items():
-            if self.multi_environment and row.get("environment") != name:
+        """Check the environment of `row` (`_check`) unless it has been; `run` checks each other environment of a
+        dict of factories at its first row."""
+        name = row.get("environment") if self.multi_environment else None
+        if self.environments and name in self.factories and name not in self.checked:
+            self._check(name, row, seed)
+
+    def _check(self, name, row: dict, seed: int) -> None:
+        """Reset two of the pool's instances of environment `name` `CHECK_ROUNDS` times each, all under one seed with
+        `row`, and compare what the resets return and the attributes they set or change (what a silent reset leaves):
+        a difference gets one warning naming the environment and saying what it breaks."""
+        self.checked.add(name)
+        pool = self.pool[name]
+        while len(pool) < 2:  # kept: a step plays more episodes than one, so training hands it out too
+            pool.append(self.factories[name]())
+        resets = []  # (observation, attributes before, attributes after)
+        for _ in range(CHECK_ROUNDS):
+            for instance in pool[:2]:
+                before = attribute_pictures(instance)
+                observation = repr(self._reset(instance, row, environment_check_seed(seed)))
+                resets.append((observation, before, attribute_pictures(instance)))
+        changed = sorted({a for _, before, after in resets for a, value in after.items() if before.get(a) != value})
+        first, _, state = resets[0]
+        for observation, _, other in resets[1:]:
+            if observation != first:
+                difference = f"returned different observations ({first[:80]} vs {observation[:80]})"
+            elif attribute := next((a for a in changed if other.get(a) != state.get(a)), None):
+                difference = f"left different values in `{attribute}`"
+            else:
                 continue
-            observations = []
-            for _ in range(2):
-                with seeded(derive_seed("es-environment-check", seed)):
-                    observations.append(repr(factory().reset(**self._reset_kwargs(row))))
-            if observations[0] != observations[1]:
-                label = factory.__name__ if hasattr(factory, "__name__") else repr(factory)
-                warnings.warn(
-                    f"environment {label}: two instances reset under the same seed returned different observations "
-                    f"({observations[0][:80]} vs {observations[1][:80]}): its episodes depend on more than the seeds "
-                    "trl-es sets (Python's, NumPy's and torch's global RNGs), so members do not face the same episodes "
-                    "(noisier fitness), and 1 vs K processes, a resumed run and a seed-chain replay are no longer "
-                    "guaranteed to give the same weights. Draw the environment's randomness from `random`, NumPy or "
-                    "torch.",
-                    stacklevel=3,
-                )
+            label = type(pool[0]).__name__ + ("" if name is None else f" (environment_factory[{name!r}])")
+            warnings.warn(
+                f"environment {label}: its instances reset under the same seed {difference}: its episodes depend on "
+                "more than the seeds trl-es sets (Python's, NumPy's and torch's global RNGs, and reset's `seed` where "
+                "it takes one) — a clock, a remote service, a generator of its own, or its own earlier resets. So "
+                "members do not face the same episodes (noisier fitness), and 1 vs K processes, a resumed run and a "
+                "seed-chain replay are no longer guaranteed to give the same weights. Draw the environment's "
+                "randomness from `random`, NumPy or torch (or reset's `seed`), and start every episode afresh in "
+                "`reset`.",
+                stacklevel=3,
+            )
+            return
 
     def _reset_kwargs(self, row: dict) -> dict:
         return {k: v for k, v in row.items() if k != "environment"} if self.multi_environment else row
+
+    def _reset(self, environment, row: dict, seed: int):
+        """`environment.reset` given its own copy of `row` (and `seed`, 31 bits, where it takes one and the row has
+        no `seed` column), under the global RNGs seeded with `seed`; the seed is kept for its `get_reward`."""
+        kwargs = copy.deepcopy(self._reset_kwargs(row))
+        if "seed" in inspect.signature(environment.reset).parameters and "seed" not in kwargs:
+            kwargs["seed"] = seed % 2**31
+        with seeded(seed), no_exit(f"{type(environment).__name__}.reset"):
+            observation = environment.reset(**kwargs)
+        self.reset_seeds[id(environment)] = seed
+        return observation
+
+    def _rewarding(self, environment) -> contextlib.AbstractContextManager:
+        """Where `environment.get_reward` runs: under the global RNGs seeded from its last reset's seed (unseeded for
+        an instance trl-es did not reset), a SystemExit a RuntimeError."""
+        stack = contextlib.ExitStack()
+        seed = self.reset_seeds.get(id(environment))
+        if seed is not None:
+            stack.enter_context(seeded(environment_reward_seed(seed)))
+        stack.enter_context(no_exit(f"{type(environment).__name__}.get_reward"))
+        return stack
+
+    def _instance(self, name):
+        """An instance of environment `name` no episode of this step has had (constructed when the pool has none)."""
+        pool, index = self.pool[name], self.handed[name]
+        if index == len(pool):
+            pool.append(self.factories[name]())
+        self.handed[name] = index + 1
+        return pool[index]
+
+    def _retire(self, environment) -> None:
+        """Never hand `environment` out again: a tool call that timed out may still write into it."""
+        for name, pool in self.pool.items():
+            for index, instance in enumerate(pool):
+                if instance is environment:
+                    del pool[index]
+                    if index < self.handed[name]:
+                        self.handed[name] -= 1
+                    return
 
     # ---- one generate call --------------------------------------------------------------------------------------
 
@@ -212,8 +401,9 @@ class Agents:
         """The episodes of one generate call: `n_members` members × `rows` × `n` generations, member-major, the
         call's first turn for every episode and later turns for those still calling tools (each routed to its member
         with `route`), generated by `generation` (`generate_ids`), sampled with `seeds` (one per episode); episode
-        (k, g) resets under `environment_seed(seed, key, k, g)` (`key`: the training step, or an evaluation batch's).
-        Returns the call's `Completions` (tool masks, environments and tool counts included)."""
+        (k, g) resets under `environment_seed(seed, key, k, g)` (`key`: the training step, or an evaluation batch's),
+        on an instance no other episode of the calls with this `key` has had. Returns the call's `Completions` (tool
+        masks, environments and tool counts included)."""
         names = [row.get("environment") if self.multi_environment else None for row in rows]
         for name in set(names) if self.multi_environment else ():
             if name not in self.factories:
@@ -221,16 +411,26 @@ class Agents:
                     f"a row has environment={name!r}, which is not among the environments passed to "
                     f"environment_factory; expected one of {list(self.factories)}"
                 )
-        handed = dict.fromkeys(self.pool, 0)
+        for k, row in enumerate(rows):
+            if "prompt" in row and not row["prompt"]:
+                raise ValueError(
+                    f"prompt {k} of this step is {'None' if row['prompt'] is None else 'empty'} ({row['prompt']!r}): "
+                    "every row needs a prompt, a list of chat messages (or, with an environment_factory, no 'prompt' "
+                    "column: reset then fills an empty user message)"
+                )
+        if key is None or key != self.step:  # a new step: every instance is free again
+            self.step, self.handed = key, dict.fromkeys(self.pool, 0)
+        for k, name in enumerate(names if self.environments else ()):
+            if name not in self.checked:
+                self._check(name, rows[k], self.args.seed)
         episodes = []
         for j in range(n_members):
             for k, row in enumerate(rows):
                 for g in range(n):
-                    environment = self._instance(names[k], handed) if self.environments else None
-                    prompt = copy.deepcopy(row.get("prompt") or [{"role": "user", "content": ""}])
+                    prompt = copy.deepcopy(row.get("prompt", [{"role": "user", "content": ""}]))
+                    environment = self._instance(names[k]) if self.environments else None
                     if environment is not None:
-                        with seeded(environment_seed(self.args.seed, key, k, g)):
-                            observation = environment.reset(**self._reset_kwargs(row))
+                        observation = self._reset(environment, row, environment_seed(self.args.seed, key, k, g))
                         if observation is not None:
                             prompt = prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
                     tools = self.standalone_tools  # plus the methods of the episode's own environment instance
@@ -250,13 +450,6 @@ class Agents:
             tool_calls=[e.tool_calls for e in episodes],
             tool_failures=[e.tool_failures for e in episodes],
         )
-
-    def _instance(self, name, handed: dict):
-        pool = self.pool[name]
-        if handed[name] == len(pool):
-            pool.append(self.factories[name]())
-        handed[name] += 1
-        return pool[handed[name] - 1]
 
     def _tokenize(self, prompt: list, tools: list) -> list[int]:
         return self.tokenizer.apply_chat_template(
@@ -279,7 +472,7 @@ class Agents:
             if not active:
                 break
             inputs = [episodes[e].prompt_ids + episodes[e].completion_ids for e in active]
-            seeds = [episodes[e].seed if turn == 0 else derive_seed("es-turn", episodes[e].seed, turn) for e in active]
+            seeds = [episodes[e].seed if turn == 0 else turn_seed(episodes[e].seed, turn) for e in active]
             room = max(budget - len(episodes[e].completion_ids) for e in active)
             route([episodes[e].member for e in active])
             new_ids, _, _ = generation.generate_ids(inputs, seeds, max_new_tokens=room)
@@ -290,7 +483,7 @@ class Agents:
                 prefix = episode.prompt_ids + episode.completion_ids
                 episode.completion_ids += ids
                 episode.tool_mask += [1] * len(ids)
-                message = parse_response(self.tokenizer, ids, prefix=prefix, tools=episode.tools) if ids else {}
+                message = self._message(ids, prefix, episode.tools) if ids else {}
                 if message or turn == 0:
                     episode.messages.append(message or {"role": "assistant", "content": ""})
                 if (
@@ -302,54 +495,101 @@ class Agents:
             active = [e for e in calling if self._call_tools(episodes[e])]
             turn += 1
 
+    def _message(self, ids: list[int], prefix: list[int], tools: list[Callable]) -> dict:
+        """The assistant message of completion `ids`, as GRPOTrainer makes it: parsed (tool calls included) where the
+        tokenizer has a response schema, else the decoded text. Tool calls nested deeper than `MAX_NESTING` stay
+        text, as malformed ones do."""
+        if self.parses:
+            with contextlib.suppress(RecursionError):
+                message = parse_response(self.tokenizer, ids, prefix=prefix, tools=tools)
+                if nesting(message.get("tool_calls")) <= MAX_NESTING:
+                    return message
+        return {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)}
+
+    # ---- tools --------------------------------------------------------------------------------------------------
+
     def _call_tools(self, episode: Episode) -> bool:
-        """Run the tool calls of the episode's last message and append their results; False (and nothing appended)
-        when the results would overflow the completion budget or the model's context: the episode ends there."""
-        results = []
-        for call in episode.messages[-1]["tool_calls"]:
+        """Run the tool calls of the episode's last message (its sync calls in order, then its async calls together)
+        and append their results; False (and nothing appended) when the results would overflow the completion budget
+        or the model's context: the episode ends there. A result too long to fit is not even tokenized."""
+        calls = episode.messages[-1]["tool_calls"]
+        names = [call.get("function", {}).get("name", call.get("name", "unknown")) for call in calls]
+        results, waiting = [None] * len(calls), {}  # waiting: call index → its coroutine
+        for i, call in enumerate(calls):
             episode.tool_calls += 1
-            name = call.get("function", {}).get("name", call.get("name", "unknown"))
             try:
                 if call.get("type") != "function":
                     raise ValueError(f"Unsupported tool call type: {call.get('type')}")
-                result = self._call(episode.tools, name, call["function"].get("arguments") or {}, episode)
+                tool = next((t for t in episode.tools if t.__name__ == names[i]), None)
+                if tool is None:
+                    raise ValueError(f"Tool {names[i]} not found.")
+                arguments = call["function"].get("arguments") or {}
+                if is_async_callable(tool):
+                    waiting[i] = tool(**arguments)
+                else:
+                    results[i] = self._call(tool, arguments, names[i], tool_seed(episode.seed, episode.tool_calls))
             except Exception as error:  # the model's mistake, shown to it as the tool's answer
-                episode.tool_failures += 1
-                result = {"error": str(error)}
-            results.append(
-                {"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
-            )
-        suffix = tool_suffix_ids(self.tokenizer, self.chat_template, self.args.chat_template_kwargs, results)
+                results[i] = self._failed(episode, error)
+        if waiting:
+            self._call_async(waiting, names, results, episode)
+        messages = [
+            {"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
+            for name, result in zip(names, results, strict=True)
+        ]
+        room = self.args.max_completion_length - len(episode.completion_ids)
+        lengths = [len(m["content"]) for m in messages if isinstance(m["content"], str)]
+        if any(length > room and length > room * self.longest_token for length in lengths):
+            return False  # more tokens than the room left, whatever they are
+        suffix = tool_suffix_ids(self.tokenizer, self.chat_template, self.args.chat_template_kwargs, messages)
         total = len(episode.completion_ids) + len(suffix)
         context = self.max_model_length
         if total > self.args.max_completion_length or (context and len(episode.prompt_ids) + total >= context):
             return False
-        episode.messages += results
+        episode.messages += messages
         episode.completion_ids += suffix
         episode.tool_mask += [0] * len(suffix)
         return True
 
-    def _call(self, tools: list[Callable], name: str, arguments: dict, episode: Episode):
-        """Tool `name` called with `arguments`, under its seeded RNGs and within `tool_call_timeout`."""
-        tool = next((t for t in tools if t.__name__ == name), None)
-        if tool is None:
-            raise ValueError(f"Tool {name} not found.")
+    def _failed(self, episode: Episode, error: Exception) -> dict:
+        """A failed call's result; the episode's instance retired when the call timed out."""
+        episode.tool_failures += 1
+        if isinstance(error, ToolTimeout) and episode.environment is not None:
+            self._retire(episode.environment)
+        return {"error": str(error)}
+
+    def _call(self, tool: Callable, arguments: dict, name: str, seed: int):
+        """Sync tool `name` called with `arguments`, under the global RNGs seeded with `seed`, within
+        `tool_call_timeout`."""
         timeout = self.args.tool_call_timeout
-        with seeded(derive_seed("es-tool", episode.seed, episode.tool_calls)):
-            if is_async_callable(tool):
-                future = asyncio.run_coroutine_threadsafe(tool(**arguments), self._loop)
-                try:
-                    return future.result(timeout)
-                except TimeoutError:
-                    future.cancel()
-                    raise TimeoutError(f"tool {name} did not answer within tool_call_timeout={timeout} s") from None
+        with seeded(seed), no_exit(f"tool {name}"):
             if timeout is None:
                 return tool(**arguments)
             return call_with_timeout(tool, arguments, timeout, name)
 
+    def _call_async(self, coroutines: dict, names: list[str], results: list, episode: Episode) -> None:
+        """The turn's async tool calls (call index → coroutine) run together on the tool loop, as GRPOTrainer gathers
+        them, under the seed of the turn's last call; each result (or failure) written into `results`. A call still
+        running after `tool_call_timeout` fails and its task is cancelled; the others keep their results."""
+        timeout = self.args.tool_call_timeout
+        with seeded(tool_seed(episode.seed, episode.tool_calls)):
+            futures = {
+                i: asyncio.run_coroutine_threadsafe(exit_guarded(coroutine, f"tool {names[i]}"), self._loop)
+                for i, coroutine in coroutines.items()
+            }
+            concurrent.futures.wait(futures.values(), timeout)
+        for i, future in futures.items():
+            if not future.done():
+                future.cancel()
+                results[i] = self._failed(episode, ToolTimeout(names[i], timeout))
+                continue
+            try:
+                results[i] = future.result()
+            except Exception as error:  # the model's mistake, shown to it as the tool's answer
+                results[i] = self._failed(episode, error)
+
 
 def call_with_timeout(tool: Callable, arguments: dict, timeout: float, name: str):
-    """`tool(**arguments)` in a daemon thread, waited for `timeout` seconds: a TimeoutError after that (the call
+    """`tool(**arguments)` in a daemon thread, waited for `timeout` seconds: a `ToolTimeout` after that (the call
     itself keeps running in the background: Python cannot stop a thread)."""
     outcome = {}
 
@@ -363,7 +603,7 @@ def call_with_timeout(tool: Callable, arguments: dict, timeout: float, name: str
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        raise TimeoutError(f"tool {name} did not answer within tool_call_timeout={timeout} s")
+        raise ToolTimeout(name, timeout)
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]

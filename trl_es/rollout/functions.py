@@ -50,6 +50,8 @@ class RolloutFunction:
                     f"rollout_func returned {len(values)} {name!r} for {len(prompts)} prompts (one per prompt × "
                     f"num_generations)"
                 )
+        for r, (row, marks) in enumerate(zip(ids, mask or (), strict=False)):
+            check_env_mask(list(marks), r, len(row))
         eos = set(self.generation.eos_token_ids)
         return Completions(
             prompts=prompts,
@@ -72,3 +74,19 @@ class RolloutFunction:
             ]
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         return [[{"role": "assistant", "content": text}] for text in texts]
+
+
+def check_env_mask(marks: list, completion: int, length: int) -> None:
+    """A ValueError unless `marks`, a rollout_func's `env_mask` of completion `completion` (`length` tokens), marks
+    each token with 1 (the model's) or 0 (the environment's)."""
+    if len(marks) != length:
+        raise ValueError(
+            f"rollout_func's env_mask has {len(marks)} values for completion {completion} of {length} tokens: it "
+            "needs one per completion token (1: the model's, 0: the environment's)"
+        )
+    wrong = sorted({float(mark) for mark in marks} - {0.0, 1.0})
+    if wrong:
+        raise ValueError(
+            f"rollout_func's env_mask marks each token with 0 (the environment's) or 1 (the model's); completion "
+            f"{completion}'s holds {wrong}"
+        )
