@@ -2,9 +2,13 @@
 
 - `pass_at_k`: the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on Code"),
   1 − C(n−c, k)/C(n, k) for n samples of which c are correct, computed as a stable product.
-- `maj_at_k`: majority vote over the extracted answers of the first k samples (unparsable answers, None, do not
-  vote; a tie goes to the answer seen first); 1 when the winner is a correct answer (the verifier's verdict on a
-  sample giving it, so equivalence is the task's, e.g. math-verify's).
+- `maj_at_k`: the unbiased Maj@K, as Pass@K is unbiased: the majority vote's correctness averaged over all C(n, K)
+  subsets of K of the n samples, computed exactly (the subsets' vote counts are enumerated combinatorially, class by
+  class, not sampled). In a subset, the extracted answers vote (unparsable ones, None, do not; no vote at all is
+  wrong); a tie between answers counts each tied answer with weight 1/(answers tied), a uniformly random tie-break
+  in expectation; an answer counts as correct with the share of its samples the verifier accepts (equivalence is the
+  task's, e.g. math-verify's). Maj@1 is the share of samples that are correct and parsed: Pass@1 whenever every
+  correct sample has a parsed answer, as with every built-in task; Maj@n is the vote of all n.
 - `mean_token_entropy`: mean over generated tokens of H(π(·|x_<t)) = −Σ_v p_v log p_v (nats); its collapse is what
   GRPO shows and ES does not.
 - `js_diversity`: verifier-projected Jensen–Shannon diversity of an ES population. Member m's success rates on the
@@ -18,6 +22,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from fractions import Fraction
+from functools import lru_cache
 
 import torch
 
@@ -36,18 +42,53 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def maj_at_k(answers: list, correct: list[bool], k: int) -> float:
-    """1.0 when the most frequent parsed answer among the first k samples is correct (`correct[i]` is the verifier's
-    verdict on sample i), else 0.0."""
+    """Unbiased Maj@K: the mean over all C(n, K) subsets of K of the n samples of the majority vote's correctness
+    (`correct[i]` is the verifier's verdict on sample i; None answers do not vote; ties shared equally)."""
     if len(answers) != len(correct):
         raise ValueError(f"{len(answers)} answers but {len(correct)} verdicts")
     if not 1 <= k <= len(answers):
         raise ValueError(f"Maj@{k} needs 1 ≤ K ≤ n samples per problem, got n={len(answers)}")
-    votes = Counter(answer for answer in answers[:k] if answer is not None)
-    if not votes:
-        return 0.0
-    top = max(votes.values())
-    winner = next(i for i, answer in enumerate(answers[:k]) if answer is not None and votes[answer] == top)
-    return float(correct[winner])
+    classes: dict = {}
+    for answer, verdict in zip(answers, correct, strict=True):
+        if answer is not None:
+            count, right = classes.get(answer, (0, 0))
+            classes[answer] = (count + 1, right + bool(verdict))
+    profile = tuple(sorted(Counter(count for count, _ in classes.values()).items()))
+    unparsed = len(answers) - sum(count for count, _ in classes.values())
+    value = Fraction(0)
+    for count, right in classes.values():
+        value += Fraction(right, count) * _win_share(count, profile, unparsed, k)
+    return float(value)
+
+
+@lru_cache(maxsize=4096)
+def _win_share(m: int, profile: tuple, unparsed: int, k: int) -> Fraction:
+    """Σ_t C(m, t) Σ_j W_t(K − t, j) / (j + 1) / C(n, K): the chance over K-subsets that one answer class of m samples
+    draws the most votes (t), shared with the j other classes tied with it. W_t(s, j) counts the ways the other
+    classes (`profile`: (samples, classes) pairs, this class included) and the `unparsed` samples fill s places with
+    each other class drawing at most t votes, j of them exactly t."""
+    others = Counter(dict(profile))
+    others[m] -= 1
+    n = unparsed + sum(size * number for size, number in profile)
+    share = Fraction(0)
+    for t in range(1, min(m, k) + 1):  # the class draws t votes; every other class at most t, j of them exactly t
+        rest = k - t
+        free = unparsed + sum(size * number for size, number in others.items() if size < t)
+        ways = [[math.comb(free, s)] for s in range(rest + 1)]  # ways[s][j]: s samples drawn, j classes tied
+        for size, number in others.items():
+            if size < t:
+                continue
+            terms = [math.comb(size, i) for i in range(t + 1)]
+            for _ in range(number):
+                grown = [[0] * (len(ways[0]) + 1) for _ in range(rest + 1)]
+                for s, row in enumerate(ways):
+                    for j, w in enumerate(row):
+                        if w:
+                            for i, term in enumerate(terms[: rest - s + 1]):
+                                grown[s + i][j + (i == t)] += w * term
+                ways = grown
+        share += math.comb(m, t) * sum(Fraction(w, j + 1) for j, w in enumerate(ways[rest]) if w)
+    return share / math.comb(n, k)
 
 
 def mean_token_entropy(logits: torch.Tensor, mask: torch.Tensor) -> float:
