@@ -1,4 +1,5 @@
-"""`trl-es eval` and `trl_es.evaluation`: scores by hand, the files and plots it writes, resume, bad input."""
+"""`trl-es eval` and `trl_es.evaluation`: scores by hand, suites and the protocol, the research's tables, the files and
+plots it writes, resume per (model, task), bad input."""
 
 import json
 import os
@@ -8,8 +9,8 @@ import pytest
 import torch
 
 from trl_es.cli import main as cli
-from trl_es.evaluation import evaluate, score_problems
-from trl_es.evaluation.report import pareto_front, table
+from trl_es.evaluation import evaluate, evaluate_tasks, expand_tasks, resolve_protocol, score_problems
+from trl_es.evaluation.report import averages, heldout_change, pareto_front, tables
 
 
 def read_lines(path):
@@ -25,7 +26,9 @@ def test_score_problems_by_hand():
     assert sums["pass@1"] == pytest.approx(1 / 3)
     assert sums["pass@2"] == pytest.approx(1 - 1 / 3)  # 1 − C(2,2)/C(3,2)
     assert sums["pass@3"] == pytest.approx(1.0)
-    assert sums["maj@1"] == 1.0 and sums["maj@3"] == 0.0
+    assert sums["maj@1"] == pytest.approx(sums["pass@1"])  # Maj@1 is Pass@1 on the same samples
+    assert sums["maj@2"] == pytest.approx(1 / 3)  # pairs 7·8 and 7·8' tie (½ each), 8·8' wins wrong
+    assert sums["maj@3"] == 0.0
     assert "maj@1" not in score_problems(rows, correct, None, 3, [1])
 
 
@@ -55,12 +58,13 @@ def test_evaluate_writes_results_tables_plots_and_resumes(tiny_model_dir, tmp_pa
     for name in ("results.json", "pass_at_k.png", "pareto.png"):
         assert os.path.getsize(os.path.join(out, name)) > 0
     with open(os.path.join(out, "results.json")) as f:
-        assert json.load(f)["models"]["model"]["pass@4"] == scores["pass@4"]
-    text = table(results)
-    assert "small_sums Pass@4" in text.splitlines()[0] and f"{scores['pass@4']:.3f}" in text
+        assert json.load(f)["models"]["model"]["tasks"]["small_sums"]["pass@4"] == scores["pass@4"]
+    text = (tmp_path / "eval" / "tables.md").read_text()
+    assert "| model | small_sums @1 | small_sums @2 | small_sums @4 |" in text and "Average" not in text
+    assert f"| model | {100 * scores['pass@1']:.1f} | {100 * scores['pass@2']:.1f} |" in text
 
     # An interrupted run: the records keep the settings and the first of 3 batches; resuming redoes only the rest.
-    records = os.path.join(out, "records", "model.jsonl")
+    records = os.path.join(out, "records", "small_sums", "model.jsonl")
     lines = read_lines(records)
     assert len(lines) == 1 + 3
     with open(records, "w") as f:  # the header, batch 0, and batch 1's line cut short by the interruption
@@ -90,7 +94,7 @@ def test_records_follow_the_weights_and_the_k_values_and_refuse_lines_that_are_n
     first = evaluate([str(model_dir)], "small_sums", k=[1], **settings)["models"]["model"]
     again = evaluate([str(model_dir)], "small_sums", k=[1, 2], **settings)["models"]["model"]  # the same records
     assert again["pass@1"] == first["pass@1"] and 0 <= again["pass@1"] <= again["pass@2"] <= 1
-    records = os.path.join(out, "records", "model.jsonl")
+    records = os.path.join(out, "records", "small_sums", "model.jsonl")
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     with torch.no_grad():
         model.lm_head.weight.mul_(-1.0)  # "retrained" into the same path
@@ -112,6 +116,115 @@ def test_records_follow_the_weights_and_the_k_values_and_refuse_lines_that_are_n
             evaluate([str(model_dir)], "small_sums", k=[1], **settings)
 
 
+def test_suites_expand_to_their_tasks_in_the_research_order():
+    assert expand_tasks([], ["easy"]) == ["gsm8k", "commonsenseqa", "hotpotqa", "countdown", "gpqa", "mbpp"]
+    assert expand_tasks([], ["math"]) == ["aime24", "aime25", "amc23", "math500"]
+    assert expand_tasks(["gsm8k", "mbpp"], ["heldout"]) == ["gsm8k", "mbpp", "gpqa", "commonsenseqa", "countdown"]
+    with pytest.raises(ValueError, match=r"unknown suite\(s\) \['hard'\]"):
+        expand_tasks([], ["hard"])
+    with pytest.raises(ValueError, match="unknown task 'gsm9k'"):
+        expand_tasks(["gsm9k"], [])
+    with pytest.raises(ValueError, match="at least one task"):
+        expand_tasks([], [])
+
+
+def test_the_protocol_gives_the_research_settings_and_explicit_values_override_it():
+    values, record = resolve_protocol("paper")
+    assert values == {"temperature": 0.6, "n": 32, "k": [1, 16, 32], "max_completion_length": 2048}
+    assert record == {"name": "paper", **values, "overridden": {}}
+    values, record = resolve_protocol("paper-hard", n=4, k=None, temperature=None, max_completion_length=None)
+    assert values == {"temperature": 0.6, "n": 4, "k": [1], "max_completion_length": 8192}  # K cut to ≤ n
+    assert record["overridden"] == {"n": 4, "k": [1]} and record["max_completion_length"] == 8192
+    values, record = resolve_protocol("paper", n=4, k=[1, 2, 4], temperature=0.6)
+    assert values["k"] == [1, 2, 4] and record["overridden"] == {"n": 4, "k": [1, 2, 4]}  # 0.6 is no override
+    assert resolve_protocol(None) == ({"temperature": 1.0, "n": 8, "k": [1], "max_completion_length": None}, None)
+    with pytest.raises(ValueError, match="unknown protocol 'papers'; choose from paper, paper-hard"):
+        resolve_protocol("papers")
+
+
+def research_results():
+    """Two models on three tasks (mbpp without answers to vote on), trained on gsm8k: the layout of evaluate_tasks."""
+    scores = {
+        "base": {"gsm8k": (0.50, 0.90, 0.70), "commonsenseqa": (0.60, 0.95, 0.65), "mbpp": (0.30, 0.80, None)},
+        "es": {"gsm8k": (0.70, 0.92, 0.80), "commonsenseqa": (0.58, 0.97, 0.66), "mbpp": (0.34, 0.79, None)},
+    }
+    results = {"tasks": ["gsm8k", "commonsenseqa", "mbpp"], "k": [1, 16], "train_task": "gsm8k", "models": {}}
+    for name, by_task in scores.items():
+        rows = {}
+        for task, (pass1, pass16, maj16) in by_task.items():
+            rows[task] = {"pass@1": pass1, "pass@16": pass16}
+            if maj16 is not None:
+                rows[task] |= {"maj@1": pass1, "maj@16": maj16}
+        results["models"][name] = {"tasks": rows}
+        results["models"][name]["average"] = averages(results, name)
+    return results
+
+
+def test_tables_have_the_research_layout_with_the_average_and_the_held_out_change_in_points():
+    results = research_results()
+    assert results["models"]["base"]["average"] == pytest.approx(
+        {"pass@1": 1.4 / 3, "pass@16": 2.65 / 3, "maj@1": 0.55, "maj@16": 0.675}
+    )  # Maj@K over the two tasks with answers
+    change = heldout_change(results)  # over commonsenseqa and mbpp (gsm8k trained on), ×100
+    assert change["es"] == pytest.approx({"pass@1": 1.0, "pass@16": 0.5, "maj@16": 1.0})
+    results["heldout_change"] = change
+    shown = tables(results)
+    pass_lines = shown["pass"].splitlines()
+    assert pass_lines[2] == (
+        "| model | gsm8k @1 | gsm8k @16 | commonsenseqa @1 | commonsenseqa @16 | mbpp @1 | mbpp @16 | Average @1 "
+        "| Average @16 |"
+    )
+    assert pass_lines[4] == "| base | 50.0 | 90.0 | 60.0 | 95.0 | 30.0 | 80.0 | 46.7 | 88.3 |"
+    maj_lines = shown["maj"].splitlines()  # Maj@16 only (Maj@1 is Pass@1); mbpp has no vote
+    assert "mbpp: no answers to vote on" in maj_lines[0]
+    assert maj_lines[2] == "| model | gsm8k @16 | commonsenseqa @16 | Average @16 |"
+    assert maj_lines[5] == "| es | 80.0 | 66.0 | 73.0 |"
+    heldout_lines = shown["heldout"].splitlines()
+    assert heldout_lines[0] == "Held-out change against base (points; mean over commonsenseqa, mbpp)"
+    assert heldout_lines[2] == "| model | Δ@1 | Δ@16 | ΔM@16 |"
+    assert heldout_lines[4] == "| es | +1.0 | +0.5 | +1.0 |"
+    assert heldout_change({**results, "models": {"base": results["models"]["base"]}}) == {}  # one model: no change
+
+
+@pytest.mark.slow  # two models on two tasks, twice; ~15 s
+def test_protocol_is_recorded_and_each_model_and_task_resumes_on_its_own(tiny_model_dir, tmp_path):
+    out = tmp_path / "eval"
+    settings = {"n": 2, "k": [1, 2], "out_dir": str(out), "limit": 2, "max_completion_length": 3, "batch_size": 2,
+                "protocol": "paper", "train_task": "small_sums"}  # fmt: skip
+    results = evaluate_tasks([tiny_model_dir, tiny_model_dir], ["small_sums", "gsm8k"], **settings, progress=print)
+    assert results["protocol"] == {"name": "paper", "temperature": 0.6, "n": 32, "k": [1, 16, 32],
+                                   "max_completion_length": 2048,
+                                   "overridden": {"n": 2, "k": [1, 2], "max_completion_length": 3}}  # fmt: skip
+    assert {s["temperature"] for s in results["settings"].values()} == {0.6}  # the protocol's, not the default 1
+    written = json.loads((out / "results.json").read_text())
+    assert written["protocol"] == results["protocol"] and written["tables"] == results["tables"]
+    assert set(written["heldout_change"]["model'"]) == {"pass@1", "pass@2", "maj@2"}
+    assert "| model' |" in (out / "tables.md").read_text()
+    for task in ("small_sums", "gsm8k"):
+        for name in ("model", "model'"):
+            assert len(read_lines(out / "records" / task / f"{name}.jsonl")) == 1 + 1  # settings, its batch
+
+    (out / "records" / "gsm8k" / "model'.jsonl").unlink()  # one (model, task) interrupted before its first batch
+    messages = []
+    again = evaluate_tasks([tiny_model_dir, tiny_model_dir], ["small_sums", "gsm8k"], **settings,
+                           progress=messages.append)  # fmt: skip
+    generated = [m.strip().split(":")[0] for m in messages if m.startswith("  ")]
+    assert generated == ["model' on gsm8k"]  # its batch only; the others' are read back
+    for name in ("model", "model'"):
+        for task in ("small_sums", "gsm8k"):
+            scores, before = again["models"][name]["tasks"][task], results["models"][name]["tasks"][task]
+            assert {**scores, "wall_s": 0} == {**before, "wall_s": 0}  # the same seeds, the same numbers
+
+
+def test_batch_size_below_one_is_a_one_line_error_before_any_model_is_loaded(tmp_path, capsys):
+    for size in ("0", "-2"):
+        argv = ["eval", "--model", "no-such-model", "--task", "gsm8k", "--batch-size", size]
+        assert cli([*argv, "--out-dir", str(tmp_path / "eval")]) == 1
+        error = capsys.readouterr().err
+        assert error == f"trl-es eval: --batch-size must be ≥ 1 problem per generate call, got {size}\n"
+    assert not (tmp_path / "eval").exists()
+
+
 def test_bad_input_fails_before_any_model_is_loaded(tmp_path):
     out = tmp_path / "eval"
     with pytest.raises(ValueError, match="unknown task 'gsm9k'"):
@@ -124,6 +237,12 @@ def test_bad_input_fails_before_any_model_is_loaded(tmp_path):
         evaluate(["no-such-model"], "gsm8k", n=2, k=[1], source=str(lacking), out_dir=str(out))
     with pytest.raises(ValueError, match="generated, not read from files"):
         evaluate(["no-such-model"], "small_sums", n=2, k=[1], source=str(lacking), out_dir=str(out))
+    with pytest.raises(ValueError, match="--split and --source name one task's data"):
+        evaluate_tasks(["no-such-model"], ["gsm8k", "math500"], n=2, source=str(lacking), out_dir=str(out))
+    with pytest.raises(ValueError, match=r"every K must be in 1..n=4"):
+        evaluate_tasks(["no-such-model"], ["gsm8k"], n=4, protocol="paper", k=[1, 16, 32], out_dir=str(out))
+    with pytest.raises(ValueError, match="greedy decoding gives the same completion n=32 times"):
+        evaluate_tasks(["no-such-model"], ["gsm8k"], protocol="paper", greedy=True, out_dir=str(out))
     assert not out.exists()  # nothing was generated or written
 
 
@@ -134,13 +253,13 @@ def test_cli_eval(tiny_model_dir, tmp_path, capsys):
         "--model",
         tiny_model_dir,
         "--task",
-        "gsm8k",
+        "gsm8k,small_sums",
         "--n",
         "2",
         "--k",
         "1,2",
         "--limit",
-        "2",
+        "1",
         "--max-completion-length",
         "4",
         "--out-dir",
@@ -148,6 +267,8 @@ def test_cli_eval(tiny_model_dir, tmp_path, capsys):
     ]
     assert cli(argv) == 0
     printed = capsys.readouterr().out
-    assert "gsm8k Pass@2" in printed and "gsm8k Maj@2" in printed and "mean token entropy" in printed
+    assert "| model | gsm8k @1 | gsm8k @2 | small_sums @1 | small_sums @2 | Average @1 | Average @2 |" in printed
+    assert "| model | gsm8k @2 | small_sums @2 | Average @2 |" in printed  # the Maj@K table
+    assert "model on small_sums: mean token entropy" in printed and "temperature 1.0" in printed
     assert cli([*argv[:6], "3", "--k", "1,4", "--out-dir", out + "2"]) == 1
     assert "every K must be in 1..n=3" in capsys.readouterr().err

@@ -1,11 +1,13 @@
 """`trl-es study` in quick mode on a tiny offline model: every method trains, the base and the results are
-evaluated and measured, the outputs are written, and a second run resumes instead of training again."""
+evaluated (at the research's temperature, and on held-out tasks) and measured, the outputs are written, and a second
+run resumes instead of training again."""
 
 import json
 import os
 
 import pytest
 
+from trl_es.commands import study as study_module
 from trl_es.commands.study import main as study
 
 
@@ -29,9 +31,10 @@ def quick(out, model, methods="es,grpo,grpo-es"):
 def test_quick_study_writes_the_comparison_and_resumes(tmp_path, tiny_model_dir, monkeypatch, capsys):
     (tmp_path / "study_reward.py").write_text(REWARD)
     monkeypatch.chdir(tmp_path)
-    results = study(quick(tmp_path / "study", tiny_model_dir))
+    results = study([*quick(tmp_path / "study", tiny_model_dir), "--heldout", "commonsenseqa"])
 
     assert list(results["models"]) == ["base", "es", "grpo", "grpo-es"]
+    assert results["evaluation"]["temperature"] == 0.6  # the research's, by default
     for name, row in results["models"].items():
         assert 0 <= row["eval"]["pass@1"] <= row["eval"]["pass@2"] <= row["eval"]["pass@4"] <= 1
         assert {"maj@4", "mean_token_entropy"} <= set(row["eval"])
@@ -52,6 +55,20 @@ def test_quick_study_writes_the_comparison_and_resumes(tmp_path, tiny_model_dir,
     assert all(f"| {name} |" in table for name in results["models"]) and "cos(Δ_ES, Δ_GRPO)" in table
     for plot in ("reward_vs_time.png", "pass_at_k.png", "pareto.png"):
         assert (out / plot).stat().st_size > 0
+    # held-out: the base and every result on commonsenseqa, each result's change against the base in points
+    heldout = results["heldout"]
+    assert heldout["tasks"] == ["commonsenseqa"] and heldout["train_task"] == "small_sums"
+    base = heldout["models"]["base"]["tasks"]["commonsenseqa"]
+    for name in ("es", "grpo", "grpo-es"):
+        scores = heldout["models"][name]["tasks"]["commonsenseqa"]
+        assert heldout["heldout_change"][name] == pytest.approx(
+            {key: 100 * (scores[key] - base[key]) for key in ("pass@1", "pass@2", "pass@4", "maj@2", "maj@4")}
+        )
+        deltas = heldout["heldout_change"][name]
+        row = f"| {name} | " + " | ".join(f"{deltas[key]:+.1f}" for key in ("pass@1", "pass@2", "pass@4")) + " |"
+        assert row in table
+    assert "Held-out change against base (points; mean over commonsenseqa)" in table
+    assert (out / "heldout" / "records" / "commonsenseqa" / "es.jsonl").is_file()
 
     trained = {m: os.path.getmtime(out / m / "training.json") for m in ("es", "grpo", "grpo-es")}
     capsys.readouterr()
@@ -108,9 +125,23 @@ def test_several_seeds_give_one_study_each_and_the_table_of_their_spread(tmp_pat
     assert (out / "pass_vs_time.png").stat().st_size > 0 and (out / "seed-0" / "pass_vs_time.png").is_file()
 
 
+def test_the_evaluation_defaults_to_the_research_protocol(tmp_path, monkeypatch):
+    """Temperature 0.6 (it was 1 with no way to change it) and the research's K values up to --n."""
+    monkeypatch.setattr(study_module, "study", lambda options: options)
+    options = study(["--out", str(tmp_path / "study")])
+    assert options.temperature == 0.6 and options.k is None and options.n == 16 and options.heldout == []
+    assert study_module.research_k(options.n) == [1, 16] and study_module.research_k(32) == [1, 16, 32]
+    options = study(["--temperature", "1.0", "--heldout", "gpqa,mbpp", "--k", "1,4"])
+    assert options.temperature == 1.0 and options.heldout == ["gpqa", "mbpp"] and options.k == [1, 4]
+
+
 def test_bad_seeds_and_marks_are_refused(tmp_path, tiny_model_dir):
     with pytest.raises(SystemExit):
         study([*quick(tmp_path / "study", tiny_model_dir), "--seeds", "one,two"])
     with pytest.raises(ValueError, match="--marks must be ≥ 1"):
         study([*quick(tmp_path / "study", tiny_model_dir), "--marks", "0"])
+    with pytest.raises(ValueError, match="unknown task 'gpqa2'"):
+        study([*quick(tmp_path / "study", tiny_model_dir), "--heldout", "mbpp,gpqa2"])
+    with pytest.raises(ValueError, match="--temperature must be > 0"):
+        study([*quick(tmp_path / "study", tiny_model_dir), "--temperature", "0"])
     assert not (tmp_path / "study").exists()

@@ -1,14 +1,18 @@
-"""`trl-es eval`: Pass@K, Maj@K and token entropy of models on a task (`trl_es.evaluation`).
+"""`trl-es eval`: Pass@K, Maj@K and token entropy of models on tasks, in the research's tables (`trl_es.evaluation`).
 
-trl-es eval --model smollm2 --model outputs/es --task gsm8k --n 8 --k 1,4,8 --limit 50 --out-dir outputs/eval
+trl-es eval --model smollm2 --model outputs/es --suite easy --protocol paper --limit 50 --out-dir outputs/eval
+trl-es eval --model smollm2 --model outputs/es --task gsm8k,math500 --n 8 --k 1,4,8 --limit 50
 """
 
 from __future__ import annotations
 
-from ..evaluation import decoding_description, evaluate
-from ..evaluation.report import table
+from ..evaluation import PROTOCOLS, SUITES, decoding_description, evaluate_tasks, expand_tasks
 from ..tasks import TASKS
 from .parser import command_parser
+
+
+def names(text: str | None) -> list[str]:
+    return [name for name in (text or "").split(",") if name]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -17,30 +21,53 @@ def main(argv: list[str] | None = None) -> dict:
         "--model",
         action="append",
         required=True,
-        help="a model directory, checkpoint, PEFT adapter or id ('smollm2'); repeat for several",
+        help="a model directory, checkpoint, PEFT adapter or id ('smollm2'); repeat for several (the first is the "
+        "base of the held-out change table)",
     )
-    parser.add_argument("--task", required=True, help=", ".join(TASKS))
-    parser.add_argument("--n", type=int, default=8, help="completions sampled per problem (1 with --greedy)")
-    parser.add_argument("--k", default="1", help="comma-separated K values for Pass@K and Maj@K, each ≤ n")
-    parser.add_argument("--split", default=None, help="the task's split (default: its evaluation split)")
-    parser.add_argument("--source", default=None, help="a local data file or hub id instead of the built-in copy")
-    parser.add_argument("--limit", type=int, default=None, help="evaluate the first LIMIT problems")
-    parser.add_argument("--max-completion-length", type=int, default=None, help="tokens (None: the task's)")
+    parser.add_argument("--task", default=None, help="comma-separated, of " + ", ".join(TASKS))
+    parser.add_argument(
+        "--suite",
+        default=None,
+        help="comma-separated, of " + "; ".join(f"{name} ({', '.join(tasks)})" for name, tasks in SUITES.items()),
+    )
+    parser.add_argument(
+        "--protocol",
+        choices=list(PROTOCOLS),
+        default=None,
+        help="the research's: paper = --temperature 0.6 --n 32 --k 1,16,32 --max-completion-length 2048 (Maj@16/32); "
+        "paper-hard: 8192 tokens. Flags given explicitly override it",
+    )
+    parser.add_argument("--train-task", default=None, help="the task the models were trained on: left out of the "
+                        "held-out change table")  # fmt: skip
+    parser.add_argument("--n", type=int, default=None, help="completions sampled per problem (None: the protocol's, "
+                        "else 8; 1 with --greedy)")  # fmt: skip
+    parser.add_argument("--k", default=None, help="comma-separated K values for Pass@K and Maj@K, each ≤ n "
+                        "(None: the protocol's, else 1)")  # fmt: skip
+    parser.add_argument("--split", default=None, help="the task's split (default: its evaluation split; one task)")
+    parser.add_argument("--source", default=None, help="a local data file or hub id instead of the built-in copy "
+                        "(one task)")  # fmt: skip
+    parser.add_argument("--limit", type=int, default=None, help="evaluate the first LIMIT problems of each task")
+    parser.add_argument("--max-completion-length", type=int, default=None, help="tokens (None: the protocol's, "
+                        "else each task's)")  # fmt: skip
     parser.add_argument("--greedy", action="store_true", help="decode greedily (as the demo trains); with --n 1")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (None: the "
+                        "protocol's, else 1; 0: greedy)")  # fmt: skip
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
     parser.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: off)")
     parser.add_argument("--batch-size", type=int, default=8, help="problems per generate call (× n completions)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
-    parser.add_argument("--out-dir", default="outputs/eval", help="results, records and plots")
+    parser.add_argument("--out-dir", default="outputs/eval", help="results, records, tables and plots")
     options = parser.parse_args(argv)
-    try:
-        k_values = [int(k) for k in options.k.split(",") if k]
-    except ValueError:
-        parser.error(f"--k must be comma-separated integers, got {options.k!r}")
-    results = evaluate(
+    k_values = None
+    if options.k is not None:
+        try:
+            k_values = [int(k) for k in names(options.k)]
+        except ValueError:
+            parser.error(f"--k must be comma-separated integers, got {options.k!r}")
+    tasks = expand_tasks(names(options.task), names(options.suite))
+    results = evaluate_tasks(
         options.model,
-        options.task,
+        tasks,
         options.n,
         k_values,
         options.out_dir,
@@ -54,15 +81,23 @@ def main(argv: list[str] | None = None) -> dict:
         options.seed,
         greedy=options.greedy,
         top_k=options.top_k,
+        protocol=options.protocol,
+        train_task=options.train_task,
     )
-    print(f"decoding: {decoding_description(results['settings'])}")
-    print(table(results, "pass"))
-    if any(key.startswith("maj@") for key in next(iter(results["models"].values()))):
-        print(table(results, "maj"))
-    for name, scores in results["models"].items():
-        print(
-            f"{name}: mean token entropy {scores['mean_token_entropy']:.3f} nats, mean length "
-            f"{scores['mean_completion_length']:.1f} tokens, {scores['wall_s']:.0f} s"
-        )
-    print(f"wrote {options.out_dir}/results.json, pass_at_k.png, pareto.png")
+    protocol = results["protocol"]
+    if protocol:
+        overridden = ", ".join(f"{key} {value}" for key, value in protocol["overridden"].items()) or "nothing"
+        print(f"protocol: {protocol['name']} ({overridden} overridden)")
+    print(f"decoding: {decoding_description(results['settings'][tasks[0]])}, n={results['settings'][tasks[0]]['n']}")
+    for text in results["tables"].values():
+        if text:
+            print(f"\n{text}")
+    print()
+    for name, row in results["models"].items():
+        for task, scores in row["tasks"].items():
+            print(
+                f"{name} on {task}: mean token entropy {scores['mean_token_entropy']:.3f} nats, mean length "
+                f"{scores['mean_completion_length']:.1f} tokens, {scores['wall_s']:.0f} s"
+            )
+    print(f"wrote {options.out_dir}/results.json, tables.md, pass_at_k.png, pareto.png")
     return results

@@ -7,14 +7,18 @@ and the same completion length, until the budget of wall clock has passed (the s
 `grpo` is TRL's GRPOTrainer (4 prompts × 4 completions per step, lr 1e-5), `es` is ESTrainer with the demo's
 calibrated settings (N=8, σ=5e-3, α=5e-3, 8 prompts per step, greedy members, or sampling ones with --es-sample).
 `grpo-es` continues the `grpo` result with ES for another budget, `es-grpo` the `es` result with GRPO: two budgets
-in all. Then the base and every result are evaluated on the task's held-out problems with the same sampling
-(`trl_es.evaluation`: Pass@K and Maj@K, mean token entropy) and every update is measured against the base
+in all. Then the base and every result are evaluated on the task's held-out problems with the research's sampling
+(`trl_es.evaluation`: temperature 0.6, `--temperature` to change it; Pass@K and Maj@K for the research's K = 1, 16, 32
+up to `--n`; mean token entropy) and every update is measured against the base
 (`trl_es.research.sparse.update_statistics`: relative L2 and s_τ; `trl_es.research.analysis`: the cosine between the ES and GRPO
-updates, KL drift on a fixed off-task text sample).
+updates, KL drift on a fixed off-task text sample). With `--heldout gpqa,mbpp,…` the base and every result are also
+evaluated on those tasks (the same sampling; `--max-completion-length` if given, else each task's; DIR/heldout/):
+the held-out change table, each result's Pass@K and Maj@K minus the base's in points averaged over the held-out
+tasks (forgetting when negative).
 
-Writes DIR/results.json, DIR/table.md, DIR/reward_vs_time.png, DIR/pass_at_k.png, DIR/pareto.png and
-DIR/pass_vs_time.png (Pass@1 and Pass@K against wall clock: with `--marks M`, M evenly spaced points of each stage
-are saved, their saving off the clock, and evaluated as the results are). Re-running
+Writes DIR/results.json, DIR/table.md (and the held-out change table), DIR/reward_vs_time.png, DIR/pass_at_k.png,
+DIR/pareto.png and DIR/pass_vs_time.png (Pass@1 and Pass@K against wall clock: with `--marks M`, M evenly spaced
+points of each stage are saved, their saving off the clock, and evaluated as the results are). Re-running
 the command resumes: a method whose DIR/<method>/training.json exists is not trained again (an interrupted one
 starts over) and the evaluation keeps its finished batches. With several `--seeds`, each seed's study goes to
 DIR/seed-<s>/ and DIR gets the table of every metric's mean (min–max) over the seeds, their results and the training
@@ -33,8 +37,8 @@ import time
 import torch
 from transformers import TrainerCallback
 
-from ..evaluation import check_k, evaluate, print_progress
-from ..evaluation.report import plot_pareto, plot_pass_at_k, pyplot
+from ..evaluation import check_k, evaluate, evaluate_tasks, expand_tasks, print_progress, research_k
+from ..evaluation.report import averages, heldout_change, heldout_table, markdown, plot_pareto, plot_pass_at_k, pyplot
 from ..tasks import TASKS, get_task
 from ..util.atomic import atomic_write_text
 from .parser import command_parser
@@ -241,6 +245,8 @@ def write_table(results: dict, path: str) -> str:
         lines.append(f"| {name} | " + " | ".join(cell(c, values[c]) if c in values else "" for c in columns) + " |")
     if "cosine_es_grpo" in results:
         lines.append(f"\ncos(Δ_ES, Δ_GRPO) = {results['cosine_es_grpo']:.4f}")
+    if "heldout" in results:
+        lines.append("\n" + heldout_table(results["heldout"]))
     text = "\n".join(lines) + "\n"
     atomic_write_text(path, text)
     return text
@@ -266,6 +272,16 @@ def write_seeds_table(by_seed: dict[int, dict], path: str) -> str:
         lines.append(
             f"\ncos(Δ_ES, Δ_GRPO) = {sum(cosines) / len(cosines):.4f} ({min(cosines):.4f}–{max(cosines):.4f})"
         )
+    if "heldout" in first:
+        changes = [results["heldout"]["heldout_change"] for results in by_seed.values()]
+        keys = list(next(iter(changes[0].values())))
+        rows = []
+        for name in changes[0]:
+            spread = [[change[name][key] for change in changes] for key in keys]
+            rows.append([name, *(f"{sum(v) / len(v):+.1f} ({min(v):+.1f}–{max(v):+.1f})" for v in spread)])
+        header = ["model", *(f"Δ{'M' if key.startswith('maj') else ''}@{key.split('@')[1]}" for key in keys)]
+        lines.append(f"\nHeld-out change against base (points; mean over {', '.join(first['heldout']['tasks'])})\n")
+        lines.append(markdown(header, rows))
     text = "\n".join(lines) + "\n"
     atomic_write_text(path, text)
     return text
@@ -315,10 +331,33 @@ def plot_curves(runs: list[dict], path: str) -> None:
     plt.close(figure)
 
 
+def evaluate_heldout(options, tasks: list[str], k_values: list[int], paths: dict[str, str], progress) -> dict:
+    """The base ("base") and every result evaluated on the held-out `tasks` (`evaluate_tasks`, DIR/heldout/):
+    {"tasks", "train_task", "k", "models": {name: {"path", "tasks", "average"}}, "heldout_change"}, the held-out
+    change of every result against the base in points."""
+    names = {"base": options.model, **paths}
+    evaluated = evaluate_tasks(list(names.values()), tasks, options.n, k_values, os.path.join(options.out, "heldout"),
+                               limit=options.limit, max_completion_length=options.heldout_length,
+                               temperature=options.temperature, seed=options.seed, progress=progress,
+                               train_task=options.task)  # fmt: skip
+    by_path = {row["path"]: row for row in evaluated["models"].values()}
+    heldout = {"tasks": tasks, "train_task": options.task, "k": k_values, "models": {}}
+    for name, path in names.items():
+        heldout["models"][name] = {"path": path, "tasks": by_path[path]["tasks"]}
+        heldout["models"][name]["average"] = averages(heldout, name)
+    heldout["heldout_change"] = heldout_change(heldout)
+    return heldout
+
+
 def study(options, progress=print_progress) -> dict:
     """Train, evaluate and measure every method (see the module docstring); returns what results.json holds."""
     task = get_task(options.task)
-    k_values = check_k(options.n, options.k)
+    k_values = check_k(options.n, options.k or research_k(options.n))
+    heldout = expand_tasks(options.heldout, []) if options.heldout else []
+    if options.temperature <= 0:
+        raise ValueError(
+            f"--temperature must be > 0: the evaluation samples --n completions, got {options.temperature}"
+        )
     for method in options.methods:
         first = method.split("-")[0]
         if method not in METHODS:
@@ -332,6 +371,7 @@ def study(options, progress=print_progress) -> dict:
     from ..util.models import resolve_model
 
     options.model = resolve_model(options.model)
+    options.heldout_length = options.max_completion_length  # None: each held-out task's own
     options.max_completion_length = options.max_completion_length or task.max_completion_length
     options.reward_funcs = load_reward_funcs([options.reward]) if options.reward else [task.reward]
     options.methods = sorted(options.methods, key=lambda m: ("-" in m, m))  # first stages before continuations
@@ -342,7 +382,7 @@ def study(options, progress=print_progress) -> dict:
     evaluated = evaluate([options.model, *paths.values(), *marks], options.task, options.n, k_values,
                          os.path.join(options.out, "eval"), limit=options.limit,
                          max_completion_length=options.max_completion_length, seed=options.seed,
-                         progress=progress)  # fmt: skip
+                         temperature=options.temperature, progress=progress)  # fmt: skip
     scores = {row["path"]: row for row in evaluated["models"].values()}
     measures = measure_updates(options.model, paths)
     results = {"task": options.task, "k": k_values, "budget_minutes": options.budget_minutes,
@@ -355,11 +395,14 @@ def study(options, progress=print_progress) -> dict:
                                      "update": measures[method]}  # fmt: skip
     if "cosine_es_grpo" in measures:
         results["cosine_es_grpo"] = measures["cosine_es_grpo"]
+    if heldout:
+        results["heldout"] = evaluate_heldout(options, heldout, k_values, paths, progress)
     atomic_write_text(os.path.join(options.out, "results.json"), json.dumps(results, indent=1))
     progress(write_table(results, os.path.join(options.out, "table.md")))
     plot_rewards([records], os.path.join(options.out, "reward_vs_time.png"))
     plot_curves([results], os.path.join(options.out, "pass_vs_time.png"))
-    by_name = {"task": options.task, "k": k_values, "models": {n: r["eval"] for n, r in results["models"].items()}}
+    by_name = {"tasks": [options.task], "k": k_values,
+               "models": {n: {"tasks": {options.task: r["eval"]}} for n, r in results["models"].items()}}  # fmt: skip
     plot_pass_at_k(by_name, os.path.join(options.out, "pass_at_k.png"))
     plot_pareto(by_name, os.path.join(options.out, "pareto.png"))
     return results
@@ -380,7 +423,12 @@ def main(argv: list[str] | None = None) -> dict:
                         "completions do, instead of generating greedily as the demo's")  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=1_000_000, help="a cap on steps besides the budget")
     parser.add_argument("--n", type=int, default=16, help="completions sampled per held-out problem")
-    parser.add_argument("--k", default="1,2,4,8,16", help="comma-separated K values for Pass@K and Maj@K")
+    parser.add_argument("--k", default=None, help="comma-separated K values for Pass@K and Maj@K (None: the "
+                        "research's 1, 16, 32 up to --n)")  # fmt: skip
+    parser.add_argument("--temperature", type=float, default=0.6, help="the evaluation's sampling temperature (the "
+                        "research's 0.6)")  # fmt: skip
+    parser.add_argument("--heldout", default="", help="comma-separated held-out tasks (e.g. gpqa,mbpp,commonsenseqa,"
+                        "countdown) the base and every result are evaluated on: the held-out change table")  # fmt: skip
     parser.add_argument("--limit", type=int, default=64, help="held-out problems evaluated")
     parser.add_argument("--marks", type=int, default=1, help="points of each stage that are saved and evaluated: "
                         "Pass@1 and Pass@K against time (pass_vs_time.png); 1: the end only")  # fmt: skip
@@ -388,10 +436,12 @@ def main(argv: list[str] | None = None) -> dict:
                         "one study per seed (DIR/seed-<s>) and the table of their spread in DIR")  # fmt: skip
     options = parser.parse_args(argv)
     options.methods = [m for m in options.methods.split(",") if m]
-    try:
-        options.k = [int(k) for k in options.k.split(",") if k]
-    except ValueError:
-        parser.error(f"--k must be comma-separated integers, got {options.k!r}")
+    options.heldout = [task for task in options.heldout.split(",") if task]
+    if options.k is not None:
+        try:
+            options.k = [int(k) for k in options.k.split(",") if k]
+        except ValueError:
+            parser.error(f"--k must be comma-separated integers, got {options.k!r}")
     try:
         seeds = list(dict.fromkeys(int(s) for s in options.seeds.split(",") if s))
     except ValueError:

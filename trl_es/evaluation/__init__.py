@@ -1,24 +1,32 @@
-"""Evaluation: Pass@K, Maj@K and token entropy of models on a task (`loop`: `trl-es eval`'s loop, which
-`ESTrainer.evaluate` runs too), the metrics themselves (`metrics`), and the paper-style tables and plots
-(`report`)."""
+"""Evaluation: Pass@K, Maj@K and token entropy of models on tasks (`loop`: `trl-es eval`'s loop, which
+`ESTrainer.evaluate` runs too), the metrics themselves (`metrics`), the research's protocol and suites (`protocol`),
+and the research's tables and plots (`report`)."""
 
 from .loop import (
     check_k,
     decoding_description,
     evaluate,
     evaluate_batch,
+    evaluate_tasks,
     print_progress,
     score_problems,
     summarize_records,
 )
+from .protocol import PROTOCOLS, SUITES, expand_tasks, research_k, resolve_protocol
 
 
 __all__ = [
+    "PROTOCOLS",
+    "SUITES",
     "check_k",
     "decoding_description",
     "evaluate",
     "evaluate_batch",
+    "evaluate_tasks",
+    "expand_tasks",
     "print_progress",
+    "research_k",
+    "resolve_protocol",
     "score_problems",
     "summarize_records",
 ]

@@ -1,15 +1,17 @@
-"""Pass@K / Maj@K / token-entropy evaluation of models on a task: `trl-es eval` and its Python API.
+"""Pass@K / Maj@K / token-entropy evaluation of models on tasks: `trl-es eval` and its Python API.
 
-    trl-es eval --model smollm2 --model outputs/es --task gsm8k --n 8 --k 1,4,8 --limit 50 --out-dir outputs/eval
+    trl-es eval --model smollm2 --model outputs/es --suite easy --protocol paper --limit 50 --out-dir outputs/eval
 
-For each model, n completions are sampled per problem (transformers `generate`, the trainer's generation backend) and
-scored by the task's reward (correct ⇔ reward ≥ `SUCCESS_THRESHOLD`, `trl_es.tasks`). Per problem: the unbiased
-Pass@K, Maj@K over the extracted answers and the completions' token entropy (`trl_es.evaluation.metrics`); the model's scores
-are their means. `evaluate_batch` is the one evaluation loop: `ESTrainer.evaluate` runs it too.
-Problems are generated in fixed batches, each with its own seed, and every finished batch is appended to
-`<out-dir>/records/<model>.jsonl`: an interrupted evaluation resumes where it stopped and gives the same numbers.
-Writes `results.json`, prints the paper's tables (rows = models, columns = task × @K) and saves `pass_at_k.png`
-(the Pass@K profile of each model) and `pareto.png` (Pass@1 against Pass@K_max across models, with their front).
+For each model (loaded once) and task, n completions are sampled per problem (transformers `generate`, the trainer's
+generation backend, chosen in one place: `evaluate_model`) and scored by the task's reward (correct ⇔ reward ≥
+`SUCCESS_THRESHOLD`, `trl_es.tasks`). Per problem: the unbiased Pass@K and Maj@K (over the extracted answers) and the
+completions' token entropy (`trl_es.evaluation.metrics`); the model's scores on a task are their means.
+`evaluate_batch` is the one evaluation loop: `ESTrainer.evaluate` runs it too. Problems are generated in fixed
+batches, each with its own seed, and every finished batch is appended to `<out-dir>/records/<task>/<model>.jsonl`:
+each (model, task) resumes where it stopped and gives the same numbers. Writes `results.json` and `tables.md` (the
+research's Pass@K and Maj@K tables, rows = models, columns = task × K and the Average over tasks, and the held-out
+change table, `trl_es.evaluation.report`), `pass_at_k.png` (each model's Pass@K profile per task) and `pareto.png`
+(Pass@1 against Pass@K_max per task, with the front). `--protocol` and `--suite`: `trl_es.evaluation.protocol`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from ..tasks import SUCCESS_THRESHOLD, Task, get_task
 from ..tasks.data import completion_text
 from ..util.atomic import atomic_write_text
 from .metrics import maj_at_k, pass_at_k
-from .report import plot_pareto, plot_pass_at_k
+from .protocol import resolve_protocol
+from .report import averages, heldout_change, plot_pareto, plot_pass_at_k, tables
 
 
 RECORDS_FORMAT = 2
@@ -139,29 +142,60 @@ def _load(path: str):
 
 def evaluate_model(
     model_path: str,
+    problems: dict[str, tuple[Task, object, dict]],
+    n: int,
+    k_values: list[int],
+    records_dir: str,
+    name: str,
+    batch_size: int = 8,
+    progress: Callable[[str], None] = print_progress,
+) -> dict[str, dict]:
+    """Load the model at `model_path` once and evaluate it on every task of `problems` ({task: (Task, dataset,
+    settings)}), each task's batches appended to `records_dir/<task>/<name>.jsonl` (resuming from the batches already
+    there). Returns {task: scores (with the task's `wall_s`)}. The generation backend is chosen here, once."""
+    from ..generation import TransformersGeneration, decoding_config
+
+    model, tokenizer, eos_ids = _load(model_path)
+    weights = weights_hash(dict(model.named_parameters()))  # the records' model
+
+    def generation(settings: dict):
+        decoding = {key: settings[key] for key in ("do_sample", "temperature", "top_p", "top_k")}
+        config = decoding_config(tokenizer, eos_ids, settings["max_completion_length"], **decoding)
+        return TransformersGeneration(model, tokenizer, config, eos_ids)
+
+    scores = {}
+    for task_name, (task, dataset, settings) in problems.items():
+        start = time.perf_counter()
+        settings = {**settings, "model": model_path, "weights_sha256": weights}
+        os.makedirs(os.path.join(records_dir, task_name), exist_ok=True)
+        records_path = os.path.join(records_dir, task_name, f"{name}.jsonl")
+        rollout = PlainRollout(generation(settings))
+        label = f"{name} on {task_name}"
+        scores[task_name] = evaluate_task(rollout, task, dataset, n, k_values, records_path, settings, batch_size,
+                                          label, progress)  # fmt: skip
+        scores[task_name]["wall_s"] = round(time.perf_counter() - start, 1)
+    return scores
+
+
+def evaluate_task(
+    rollout: Rollout,
     task: Task,
     dataset,
     n: int,
     k_values: list[int],
     records_path: str,
     settings: dict,
-    batch_size: int = 8,
+    batch_size: int,
+    label: str,
     progress: Callable[[str], None] = print_progress,
 ) -> dict:
-    """Sample n completions per problem of `dataset` from the model at `model_path`, appending one JSON line per
-    batch to `records_path` (resuming from the batches already there), and return the model's scores."""
-    from ..generation import TransformersGeneration, decoding_config
-
-    model, tokenizer, eos_ids = _load(model_path)
-    settings = {**settings, "weights_sha256": weights_hash(dict(model.named_parameters()))}  # the records' model
+    """Sample n completions per problem of `dataset` from the `rollout`, appending one JSON line per batch to
+    `records_path` (resuming from the batches already there), and return the scores."""
     n_batches = -(-len(dataset) // batch_size)
     sizes = {b: min(batch_size, len(dataset) - b * batch_size) for b in range(n_batches)}
     done = _read_records(records_path, settings, sizes, n, progress)
     for record in done.values():  # Pass@K / Maj@K for this run's K, from the kept verdicts and answers
         record.update(score_problems(range(record["problems"]), record["correct"], record["answers"], n, k_values))
-    decoding = {name: settings[name] for name in ("do_sample", "temperature", "top_p", "top_k")}
-    config = decoding_config(tokenizer, eos_ids, settings["max_completion_length"], **decoding)
-    rollout = PlainRollout(TransformersGeneration(model, tokenizer, config, eos_ids))
     rewards = RewardFunctions(task.reward)
     rewards_of = lambda rows, completions: rewards.combine(rewards.score(rows, completions))  # noqa: E731
     start = time.perf_counter()
@@ -181,8 +215,8 @@ def evaluate_model(
             finished = sum(r["problems"] for r in done.values())
             running = sum(r["pass@1"] for r in done.values()) / finished if 1 in k_values else float("nan")
             progress(
-                f"  {os.path.basename(records_path)[:-6]}: {finished}/{len(dataset)} problems, "
-                f"{time.perf_counter() - start:.0f} s, Pass@1 so far {running:.3f}"
+                f"  {label}: {finished}/{len(dataset)} problems, {time.perf_counter() - start:.0f} s, "
+                f"Pass@1 so far {running:.3f}"
             )
     return summarize_records(list(done.values()), k_values, maj=task.extract_answer is not None)
 
@@ -274,76 +308,106 @@ def decoding_description(settings: dict) -> str:
     return f"sampled, temperature {settings['temperature']}, top-p {settings['top_p']}, top-k {settings['top_k'] or 'off'}"
 
 
-def evaluate(
+def evaluate_tasks(
     models: list[str],
-    task: str,
-    n: int = 8,
-    k: list[int] = (1,),
+    tasks: list[str],
+    n: int | None = None,
+    k: list[int] | None = None,
     out_dir: str = "outputs/eval",
     split: str | None = None,
     source: str | None = None,
     limit: int | None = None,
     max_completion_length: int | None = None,
-    temperature: float = 1.0,
+    temperature: float | None = None,
     top_p: float = 1.0,
     batch_size: int = 8,
     seed: int = 0,
     progress: Callable[[str], None] = print_progress,
     greedy: bool = False,
     top_k: int = 0,
+    protocol: str | None = None,
+    train_task: str | None = None,
 ) -> dict:
-    """Evaluate every model on `task` (see the module docstring); returns and writes `results.json`:
-    {"task", "settings", "models": {name: {"path", "pass@K"..., "maj@K"..., "mean_token_entropy", "wall_s"}}}.
-    Decoding samples (`temperature` > 0, `top_p`, `top_k`; 0: off) unless `greedy` (or `temperature` = 0); greedy
-    decoding gives n equal completions, so it takes n = 1. Bad input (unknown task, K outside 1..n, missing
-    columns) fails before any model is loaded."""
-    task_ = get_task(task)
-    k_values = check_k(n, list(k))
-    greedy = greedy or temperature == 0
+    """Evaluate every model on every task (see the module docstring); returns and writes `results.json`:
+    {"tasks", "k", "protocol", "train_task", "settings": {task: settings}, "models": {name: {"path", "wall_s",
+    "tasks": {task: {"pass@K"..., "maj@K"..., "mean_token_entropy", "wall_s", ...}}, "average": {...}}},
+    "heldout_change": {name: {...}}, "tables": {"pass", "maj", "heldout"}}. `n`, `k`, `temperature` and
+    `max_completion_length` left None come from the `protocol` ("paper", "paper-hard"), else from
+    `protocol.DEFAULTS`. Decoding samples (`temperature` > 0, `top_p`, `top_k`; 0: off) unless `greedy` (or
+    `temperature` = 0); greedy decoding gives n equal completions, so it takes n = 1. `train_task`: the task the
+    models were trained on, left out of the held-out change. Bad input (unknown task, K outside 1..n, batch size
+    below 1, missing columns) fails before any model is loaded or any file written."""
+    tasks = list(dict.fromkeys(tasks))
+    if not tasks:
+        raise ValueError("give at least one task")
+    task_of = {name: get_task(name) for name in tasks}
+    if train_task is not None:
+        get_task(train_task)
+    values, protocol_record = resolve_protocol(
+        protocol, n=n, k=None if k is None else list(k), temperature=0.0 if greedy else temperature,
+        max_completion_length=max_completion_length,
+    )  # fmt: skip
+    n, temperature = values["n"], values["temperature"]
+    k_values = check_k(n, values["k"])
+    greedy = temperature == 0
     if greedy and n != 1:
         raise ValueError(f"greedy decoding gives the same completion n={n} times: evaluate it with n=1")
     if not greedy and not (temperature > 0 and 0 < top_p <= 1 and top_k >= 0):
         raise ValueError(
             f"sampling needs temperature > 0, 0 < top_p ≤ 1, top_k ≥ 0 (got {temperature}, {top_p}, {top_k})"
         )
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be ≥ 1 problem per generate call, got {batch_size}")
     if not models:
         raise ValueError("give at least one model")
-    dataset = load_problems(task_, split, source, limit)
-    settings = {
-        "format": RECORDS_FORMAT,
-        "task": task,
-        "split": split or task_.eval_split,
-        "source": source,
-        "problems": len(dataset),
-        "n": n,
-        "max_completion_length": max_completion_length or task_.max_completion_length,
-        "do_sample": not greedy,
-        "temperature": None if greedy else temperature,
-        "top_p": None if greedy else top_p,
-        "top_k": None if greedy else top_k,
-        "batch_size": batch_size,
-        "seed": seed,
-    }
-    os.makedirs(os.path.join(out_dir, "records"), exist_ok=True)
-    results, taken = {"task": task, "settings": settings, "k": k_values, "models": {}}, set()
-    progress(f"decoding: {decoding_description(settings)}")
+    if len(tasks) > 1 and (split is not None or source is not None):
+        raise ValueError("--split and --source name one task's data: evaluate that task on its own")
+    settings, problems = {}, {}
+    for name, task in task_of.items():
+        dataset = load_problems(task, split, source, limit)
+        settings[name] = {
+            "format": RECORDS_FORMAT,
+            "task": name,
+            "split": split or task.eval_split,
+            "source": source,
+            "problems": len(dataset),
+            "n": n,
+            "max_completion_length": values["max_completion_length"] or task.max_completion_length,
+            "do_sample": not greedy,
+            "temperature": None if greedy else temperature,
+            "top_p": None if greedy else top_p,
+            "top_k": None if greedy else top_k,
+            "batch_size": batch_size,
+            "seed": seed,
+        }
+        problems[name] = (task, dataset, settings[name])
+    os.makedirs(out_dir, exist_ok=True)
+    results, taken = {"tasks": tasks, "k": k_values, "protocol": protocol_record, "train_task": train_task,
+                      "settings": settings, "models": {}}, set()  # fmt: skip
+    progress(f"decoding: {decoding_description(settings[tasks[0]])}")
     for path in models:
         name = _model_name(path, taken)
-        progress(f"{name}: {task} × {len(dataset)} problems, n={n}")
+        progress(f"{name}: {', '.join(f'{t} × {len(d)}' for t, (_, d, _) in problems.items())} problems, n={n}")
         start = time.perf_counter()
-        scores = evaluate_model(
-            path,
-            task_,
-            dataset,
-            n,
-            k_values,
-            os.path.join(out_dir, "records", f"{name}.jsonl"),
-            {**settings, "model": path},
-            batch_size,
-            progress,
-        )
-        results["models"][name] = {"path": path, **scores, "wall_s": round(time.perf_counter() - start, 1)}
+        scores = evaluate_model(path, problems, n, k_values, os.path.join(out_dir, "records"), name, batch_size,
+                                progress)  # fmt: skip
+        results["models"][name] = {"path": path, "wall_s": round(time.perf_counter() - start, 1), "tasks": scores}
+        results["models"][name]["average"] = averages(results, name)
+    results["heldout_change"] = heldout_change(results)
+    results["tables"] = tables(results)
     atomic_write_text(os.path.join(out_dir, "results.json"), json.dumps(results, indent=1))
+    text = "\n\n".join(table for table in results["tables"].values() if table) + "\n"
+    atomic_write_text(os.path.join(out_dir, "tables.md"), text)
     plot_pass_at_k(results, os.path.join(out_dir, "pass_at_k.png"))
     plot_pareto(results, os.path.join(out_dir, "pareto.png"))
     return results
+
+
+def evaluate(models: list[str], task: str, *args, **kwargs) -> dict:
+    """`evaluate_tasks` on one task (the same arguments after it, the same files), seen as that task's results:
+    {"task", "settings", "k", "protocol", "models": {name: {"path", "pass@K"..., "maj@K"..., "mean_token_entropy",
+    "wall_s", ...}}}."""
+    results = evaluate_tasks(models, [task], *args, **kwargs)
+    rows = {name: {"path": row["path"], **row["tasks"][task]} for name, row in results["models"].items()}
+    return {"task": task, "settings": results["settings"][task], "k": results["k"], "protocol": results["protocol"],
+            "models": rows}  # fmt: skip
