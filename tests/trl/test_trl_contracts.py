@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -160,6 +161,18 @@ def test_saved_model_loads_in_transformers_and_grpo_with_a_model_card(tmp_path, 
         train_dataset=prompt_dataset,
     )
     assert grpo.model.config.vocab_size == reloaded.config.vocab_size
+
+
+def test_the_model_card_table_keeps_a_regex_alternation_in_one_cell(tmp_path, tiny_model_dir, prompt_dataset):
+    """A `|` in a setting (`es_parameter_patterns=["(q|v)_proj"]`) is escaped, so each row keeps its two cells."""
+    args = es_args(tmp_path, es_parameter_patterns=["(q|v)_proj"])
+    trainer = ESTrainer(tiny_model_dir, lambda completions, **kw: [0.0] * len(completions), args=args,
+                        train_dataset=prompt_dataset)  # fmt: skip
+    trainer.save_model()
+    table = (Path(args.output_dir) / "README.md").read_text().split("## Evolution Strategies settings")[1]
+    rows = [line for line in table.strip().splitlines() if line.startswith("|")]
+    assert rows and all(len(re.split(r"(?<!\\)\|", row)) == 4 for row in rows), rows  # | setting | value |
+    assert "| es_parameter_patterns | `['(q\\|v)_proj']` |" in rows
 
 
 def test_report_to_tensorboard_and_log_completions(tmp_path, tiny_model_dir, prompt_dataset, capsys):

@@ -181,7 +181,8 @@ class SavingMixin:
             "reward functions": ", ".join(self.reward_functions.names),
             **(getattr(self, "_sparse_delta_card", None) or {}),
         }
-        rows = "\n".join(f"| {k} | `{v}` |" for k, v in settings.items())
+        cell = lambda value: str(value).replace("|", "\\|").replace("\n", " ")  # noqa: E731 - one cell: `(q|v)_proj`
+        rows = "\n".join(f"| {k} | `{cell(v)}` |" for k, v in settings.items())
         text += f"\n## Evolution Strategies settings\n\n| setting | value |\n|---|---|\n{rows}\n"
         atomic_write_text(path, text)
 
