@@ -196,3 +196,19 @@ def test_es_starts_from_a_full_grpo_checkpoint(tmp_path, tiny_model_dir, prompt_
     grpo_weights, original = weights(checkpoint), weights(tiny_model_dir)
     assert any(not torch.equal(grpo_weights[n], original[n]) for n in original)
     assert all(torch.equal(p, grpo_weights[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_a_save_writing_no_delta_removes_an_earlier_runs_delta(tmp_path, tiny_model_dir, prompt_dataset):
+    """`sparse_delta.safetensors` describes the model saved beside it: a later save into the same directory that
+    writes none removes the earlier run's, and its statistics leave the model card."""
+    from helpers import es_config
+
+    from trl_es import ESTrainer
+
+    delta = tmp_path / "out" / "sparse_delta.safetensors"
+    ESTrainer(tiny_model_dir, token_sum_reward, args=es_config(tmp_path, sparse_delta_tau=0.01),
+              train_dataset=prompt_dataset).save_model()  # fmt: skip
+    assert delta.is_file()
+    ESTrainer(tiny_model_dir, token_sum_reward, args=es_config(tmp_path), train_dataset=prompt_dataset).save_model()
+    assert not delta.exists()
+    assert "sparse delta" not in (tmp_path / "out" / "README.md").read_text()

@@ -31,6 +31,8 @@ from ..es.weights import weights_hash
 
 
 FORMAT = "trl-es-sparse-delta/1"
+DELTA_FILE = "sparse_delta.safetensors"
+"""The delta's file name in a saved model's directory (`write_model_delta`)."""
 
 
 def check_same_architecture(base: Mapping[str, torch.Tensor], tuned: Mapping[str, torch.Tensor]) -> None:
@@ -285,11 +287,11 @@ def write_model_delta(model, output_dir: str, tau: float) -> dict[str, str] | No
         warnings.warn(f"No sparse delta written: cannot load the starting weights at {base_path!r} ({error}).")
         return None
     base, tuned = dict(base_model.named_parameters()), dict(model.named_parameters())
-    path = os.path.join(output_dir, "sparse_delta.safetensors")
+    path = os.path.join(output_dir, DELTA_FILE)
     metadata = save_delta(path, base, tuned, threshold_masks(base, tuned, tau=tau), base_model=base_path, tau=tau)
     total = update_statistics(base, tuned, [tau])["total"]
     return {
-        "sparse delta": f"sparse_delta.safetensors, τ = {tau}",
+        "sparse delta": f"{DELTA_FILE}, τ = {tau}",
         "entries kept": f"{int(metadata['kept'])} (sparsity {float(metadata['sparsity']):.4%})",
         "delta file size": f"{os.path.getsize(path) / 2**20:.2f} MiB",
         "relative L2 ‖Δ‖/‖θ_start‖": f"{total['relative_l2']:.4g}",

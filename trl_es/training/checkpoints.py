@@ -139,7 +139,8 @@ class SavingMixin:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Save the model with HF names, atomically (the main process writes; under ZeRO-3 every process takes
-        part in gathering θ, so call it on every process, as Trainer does)."""
+        part in gathering θ, so call it on every process, as Trainer does). A save that writes no sparse delta
+        removes the one an earlier save left in `output_dir`: a delta there always belongs to the model beside it."""
         output_dir = output_dir or self.args.output_dir
         with self._full_parameters():
             if self._staging_checkpoint or not self.args.should_save:  # a checkpoint is staged as a whole
@@ -148,10 +149,14 @@ class SavingMixin:
                 with atomic_directory(output_dir) as staging:
                     super().save_model(staging, _internal_call=True)  # Trainer pushes below, once published
                     self.chain_recorder.save(staging, self.chain_recorder.tip(staging))
+                    self._sparse_delta_card = None
                     if self.args.sparse_delta_tau is not None:
                         self._sparse_delta_card = sparse.write_model_delta(
                             self.model, staging, self.args.sparse_delta_tau
                         )
+                    if self._sparse_delta_card is None:  # an earlier save's delta would not rebuild this model
+                        with contextlib.suppress(FileNotFoundError):
+                            os.remove(os.path.join(output_dir, sparse.DELTA_FILE))
         if not _internal_call and os.path.abspath(output_dir) == os.path.abspath(self.args.output_dir):
             self.create_model_card()
         if self.args.push_to_hub and not _internal_call:
