@@ -1,8 +1,10 @@
-"""ESConfig: bad values are refused at construction naming the field; gradient-only fields are refused or warned."""
+"""ESConfig: bad values are refused at construction naming the field; gradient-only fields are refused or warned; a
+ported GRPOConfig keeps what its user set."""
 
 import warnings
 
 import pytest
+from trl import GRPOConfig
 
 from trl_es import ESConfig
 
@@ -80,3 +82,15 @@ def test_every_es_field_is_documented_once_under_a_parameter_group():
     assert sorted(grouped) == sorted(own)
     for name in own:
         assert f"        {name} (`" in ESConfig.__doc__
+
+
+def test_a_ported_grpo_config_keeps_the_constant_step_size_unless_its_user_set_a_schedule(tmp_path):
+    """GRPOConfig's lr_scheduler_type defaults to "linear" (decay to 0); left at that default, ES's constant α
+    stays. Another schedule is the user's choice and is kept, as is one passed among the changes."""
+
+    def grpo(**kwargs):
+        return GRPOConfig(str(tmp_path), use_cpu=True, bf16=False, learning_rate=1e-3, **kwargs)
+
+    assert ESConfig.from_grpo_config(grpo()).lr_scheduler_type == "constant"
+    assert ESConfig.from_grpo_config(grpo(lr_scheduler_type="cosine")).lr_scheduler_type == "cosine"
+    assert ESConfig.from_grpo_config(grpo(), lr_scheduler_type="linear").lr_scheduler_type == "linear"

@@ -589,10 +589,17 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
     @classmethod
     def from_grpo_config(cls, config: GRPOConfig, **changes) -> ESConfig:
         """An ESConfig with every field of the GRPOConfig `config` (GRPO's names keep their meaning; the fields ES
-        has no use for are ignored as documented), then `changes` (the ES fields: population_size, sigma, …)."""
+        has no use for are ignored as documented), then `changes` (the ES fields: population_size, sigma, …).
+
+        A schedule counts as set when `lr_scheduler_type` differs from GRPOConfig's default ("linear", decay to 0):
+        left at that default, ES keeps its constant α (pass `lr_scheduler_type="linear"` among `changes` for the
+        decay)."""
         values = {
             f.name: getattr(config, f.name) for f in fields(config) if f.init and f.name in cls.__dataclass_fields__
         }
+        schedule = getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type)  # a SchedulerType or its name
+        if schedule == GRPOConfig.__dataclass_fields__["lr_scheduler_type"].default:
+            del values["lr_scheduler_type"]
         return cls(**{**values, **changes})
 
     def sigma_at(self, step: int) -> float:
