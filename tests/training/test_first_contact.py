@@ -1,6 +1,6 @@
 """A TRL user's first contact: what a port from GRPOTrainer meets, each as a behaviour that could fail (progress and
 cost, eval decoding, offline data, a GRPO checkpoint, reward signatures, a ported GRPOConfig, outputs, one CLI,
-warnings, GRPOTrainer's log keys)."""
+warnings, GRPOTrainer's log keys and train_loss)."""
 
 import json
 import os
@@ -51,7 +51,7 @@ def test_grpo_log_keys_with_their_meaning(tmp_path, tiny_model_dir, prompt_datas
     frac_reward_zero_std and the terminated-length statistics, as GRPOTrainer logs them."""
     args = es_config(tmp_path, log_completions=True)
     trainer = ESTrainer(model=tiny_model_dir, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset)
-    trainer.train()
+    output = trainer.train()
     steps = [entry for entry in trainer.state.log_history if "reward" in entry]
     prompt_tokens = sum(map(len, trainer.generation.tokenize(prompt_dataset["prompt"][:4])))
     first = steps[0]
@@ -61,9 +61,29 @@ def test_grpo_log_keys_with_their_meaning(tmp_path, tiny_model_dir, prompt_datas
     assert first["step_time"] > 0 and 0 <= first["frac_reward_zero_std"] <= 1
     for name in ("mean", "min", "max"):
         assert f"completions/{name}_terminated_length" in first
-    assert "train_loss" not in trainer.state.log_history[-1]  # ES has no loss to report
+    # train_loss is the loss ES minimises, −(mean population reward) over the run; the steps log `reward`, no `loss`
+    summary = trainer.state.log_history[-1]
+    mean_reward = (steps[0]["reward"] + steps[1]["reward"]) / 2
+    assert summary["train_loss"] == output.training_loss == pytest.approx(-mean_reward)
+    assert not any("loss" in entry for entry in steps)
     table = pd.read_parquet(tmp_path / "out" / "completions" / "completions_00002.parquet")
     assert list(table.columns[:3]) == ["step", "prompt", "completion"] and "length_reward" in table.columns
+
+
+def test_train_loss_leaves_out_the_steps_without_a_reward(tmp_path, tiny_model_dir, prompt_dataset):
+    """A step whose completions all got None has no population reward: train_loss is −(mean reward) of the others,
+    not NaN and not pulled toward 0."""
+
+    def none_at_first(completions, trainer_state, **kwargs):
+        return [None if trainer_state.global_step == 0 else float(len(c)) for c in completions]
+
+    args = es_config(tmp_path, population_size=2, per_device_train_batch_size=2, max_completion_length=3)
+    trainer = ESTrainer(model=tiny_model_dir, reward_funcs=none_at_first, args=args, train_dataset=prompt_dataset)
+    with pytest.warns(UserWarning, match="no spread"):
+        output = trainer.train()
+    first, second = (entry for entry in trainer.state.log_history if "reward" in entry)
+    assert first["reward"] is None and second["reward"] > 0
+    assert output.training_loss == trainer.state.log_history[-1]["train_loss"] == -second["reward"]
 
 
 def test_frac_reward_zero_std_counts_the_prompts_that_cannot_rank_members():

@@ -2,8 +2,8 @@
 
 Each test keeps TRL's scenario and what it asserts, on the data TRL's tests use (`trl-internal-testing/zen`, rebuilt
 offline in tests/data/zen) and offline tiny models of the same architectures (Qwen2, Qwen3, Llama causal LMs and
-sequence classifiers, SmolLM2's tokenizer). ES has no loss: where TRL asserts `train_loss` and that every parameter
-changed, these tests assert the run's summary record and that every parameter changed.
+sequence classifiers, SmolLM2's tokenizer). Where TRL asserts `train_loss` and that every parameter changed, these
+tests assert the same: ES's `train_loss` is the loss it minimises, −(mean population reward) over the run.
 
 Not adapted, and why:
 - loss, clipping, importance sampling, KL/reference model, entropy bonus, Liger, off-policy masks, delta clipping,
@@ -17,7 +17,7 @@ Not adapted, and why:
 - `test_train_with_mask_truncated_completions*`: they assert the loss mask; ES's meaning (no reward for truncated
   completions) is tested here as test_mask_truncated_completions_gives_them_no_reward;
 - tools, environments, rollout_func, VLM/images, continuous batching, vLLM on GPU: ESTrainer has no tools or
-  images; continuous batching is refused with the reason; vLLM is tests/test_vllm.py;
+  images; continuous batching is refused with the reason; vLLM is tests/vllm/test_vllm.py;
 - MoE auxiliary loss and the remaining model architectures of `test_train` (Cohere2, GLM4-MoE, GPT-OSS, Qwen3-MoE,
   NemotronH): no loss; the architectures are covered by Qwen2, Qwen3 and Llama here.
 """
@@ -115,10 +115,10 @@ def reward_len(completions, **kwargs):
 
 
 def train_and_check(trainer, trainable=None):
-    """TRL's check with ES's record: training ran to its summary, and every (trainable) parameter changed."""
+    """TRL's check: training ran to its summary with a `train_loss`, and every (trainable) parameter changed."""
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
-    assert trainer.state.log_history[-1]["train_runtime"] is not None
+    assert trainer.state.log_history[-1]["train_loss"] is not None
     for name, p in trainer.model.named_parameters():
         if trainable is None or trainable(name):
             assert not torch.equal(p, before[name]), f"{name} did not change"

@@ -38,9 +38,12 @@ class ReportingMixin:
     """`log` and `evaluate` of `ESTrainer` (see the module docstring)."""
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Trainer's log record, without the loss and gradient norm ES does not have (its final summary without
-        `train_loss`), with the window's metrics."""
-        logs = {k: v for k, v in logs.items() if k not in ("loss", "grad_norm", "train_loss")}
+        """Trainer's log record with the window's metrics. A step record has no `loss` or `grad_norm`: ES has no
+        gradient, and its per-step loss is −`reward`, logged already. The final summary's `train_loss` is ES's
+        (`ESTrainer._training_loss`): −(mean population reward) over the run."""
+        logs = {k: v for k, v in logs.items() if k not in ("loss", "grad_norm")}
+        if "train_loss" in logs:
+            logs["train_loss"] = self._training_loss()
         completions = bool(self._metrics and self.args.log_completions and self.population.last_completions)
         if self._metrics:
             logs.update(window_means(self._metrics))

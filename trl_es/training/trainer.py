@@ -7,6 +7,7 @@ update) → record the seed chain → log. Trainer's optimizer only carries α_t
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 import warnings
@@ -216,17 +217,30 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
     def floating_point_ops(self, inputs) -> int:
         return 0  # no forward/backward FLOPs in Trainer's sense
 
+    _loss_sum, _loss_steps = 0.0, 0  # Σ of the losses of this `train` call's steps that had a reward, and their count
+
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """Trainer's step: one ES step on the batch's prompts. Returns its loss, −`reward` (its mean population
+        reward; NaN when no completion got one)."""
         learning_rate = (
             self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else self.args.learning_rate
         )
         self._es_step(inputs, self.state.global_step, learning_rate)
-        return torch.zeros((), device=self.args.device)
+        loss = -self._metrics["reward"][-1]
+        if not math.isnan(loss):
+            self._loss_sum, self._loss_steps = self._loss_sum + loss, self._loss_steps + 1
+        return torch.tensor(loss, device=self.args.device)
+
+    def _training_loss(self) -> float:
+        """`train_loss` (the final log record, `TrainOutput.training_loss`): the loss ES minimises, −(mean population
+        reward), averaged over the steps of this `train` call that had a reward (NaN when none had)."""
+        return self._loss_sum / self._loss_steps if self._loss_steps else math.nan
 
     def train(self, *args, **kwargs):
         try:
             self.lock_output_dir()
             self._skipped_steps = 0
+            self._loss_sum, self._loss_steps = 0.0, 0
             self.accelerator.print(self.population.cost(), file=sys.stderr, flush=True)  # on the main process
             output = super().train(*args, **kwargs)
             if self.state.global_step == 0:
@@ -238,7 +252,8 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
                     "their log records)",
                     stacklevel=2,
                 )
-            return output
+            output.metrics["train_loss"] = self._training_loss()  # Trainer's own averages training_step's returns
+            return output._replace(training_loss=output.metrics["train_loss"])
         finally:
             self.weights.release()  # the copy of θ and the noise table, rebuilt from the seed when needed
             self._distance = None
