@@ -1,6 +1,6 @@
 """A TRL user's first contact: what a port from GRPOTrainer meets, each as a behaviour that could fail (progress and
 cost, eval decoding, offline data, a GRPO checkpoint, reward signatures, a ported GRPOConfig, outputs, one CLI,
-warnings, GRPOTrainer's log keys and train_loss)."""
+warnings, GRPOTrainer's log keys and train_loss, gradient accumulation)."""
 
 import json
 import os
@@ -9,6 +9,7 @@ import warnings
 
 import pandas as pd
 import pytest
+import torch
 from datasets import Dataset
 from helpers import es_config
 from trl import GRPOConfig, GRPOTrainer
@@ -84,6 +85,31 @@ def test_train_loss_leaves_out_the_steps_without_a_reward(tmp_path, tiny_model_d
     first, second = (entry for entry in trainer.state.log_history if "reward" in entry)
     assert first["reward"] is None and second["reward"] > 0
     assert output.training_loss == trainer.state.log_history[-1]["train_loss"] == -second["reward"]
+
+
+def test_gradient_accumulation_folds_into_the_prompts_of_one_es_step(tmp_path, tiny_model_dir, prompt_dataset, capsys):
+    """gradient_accumulation_steps=2 with 2 prompts per device is one ES step over 4 prompts, as GRPO's effective
+    batch: bitwise the weights of per_device_train_batch_size=4; max_steps counts ES steps; the cost line says so."""
+    seen = []
+
+    def reward(prompts, completions, **kwargs):
+        seen.append(len(prompts))
+        return length_reward(completions)
+
+    runs = {}
+    for name, batch in {"accumulated": dict(per_device_train_batch_size=2, gradient_accumulation_steps=2),
+                        "whole": dict(per_device_train_batch_size=4)}.items():  # fmt: skip
+        seen.clear()
+        args = es_config(tmp_path / name, population_size=2, max_completion_length=3, **batch)
+        trainer = ESTrainer(model=tiny_model_dir, reward_funcs=reward, args=args, train_dataset=prompt_dataset)
+        trainer.train()
+        assert trainer.state.global_step == 2 and set(seen) == {4 * 2}  # 4 prompts × num_generations=2, per call
+        steps = [entry for entry in trainer.state.log_history if "reward" in entry]
+        assert len(steps) == 2 and all(entry["es/update_norm"] > 0 for entry in steps)  # the weights moved
+        runs[name] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    assert all(torch.equal(p, runs["whole"][n]) for n, p in runs["accumulated"].items())
+    err = capsys.readouterr().err
+    assert "(2 members × 4 prompts (per_device_train_batch_size=2 × gradient_accumulation_steps=2) × " in err
 
 
 def test_frac_reward_zero_std_counts_the_prompts_that_cannot_rank_members():

@@ -7,10 +7,11 @@ tests assert the same: ES's `train_loss` is the loss it minimises, −(mean popu
 
 Not adapted, and why:
 - loss, clipping, importance sampling, KL/reference model, entropy bonus, Liger, off-policy masks, delta clipping,
-  sequence-level IS, cast_lm_head_to_fp32, num_iterations/steps_per_generation buffering, gradient checkpointing,
-  gradient accumulation (`test_train_loss_types`, `test_train_beta_non_zero`, `test_train_with_sync_ref_model`,
-  `test_train_with_entropy_filter`, `test_train_multiple_iterations`, ...): they assert a loss or a gradient, which
-  ES does not have (the fields are accepted and ignored: test_grpo_only_fields_are_accepted_and_listed_once);
+  sequence-level IS, cast_lm_head_to_fp32, num_iterations/steps_per_generation buffering, gradient checkpointing
+  (`test_train_beta_non_zero`, `test_train_with_sync_ref_model`, `test_train_with_entropy_filter`,
+  `test_train_multiple_iterations`, ...): they assert a loss or a gradient, which ES does not have (the fields are
+  accepted and ignored: test_grpo_only_fields_are_accepted_and_listed_once; `test_train_loss_types` is kept for its
+  gradient accumulation, which ES folds into the prompts of a step);
 - `test_iterable_dataset_requires_dispatch_batches_false`, `test_iterable_eval_keeps_map_style_train_workers`:
   ESTrainer reads iterable datasets without Accelerate's dispatching and evaluates without an eval dataloader, so
   these settings have nothing to act on;
@@ -135,6 +136,18 @@ def test_init_minimal(models):
 )
 def test_train(models, tmp_path, model):
     trainer = ESTrainer(models[model], reward_funcs=models["qwen2_rm"], args=std(tmp_path), train_dataset=zen())
+    train_and_check(trainer)
+
+
+@pytest.mark.parametrize(
+    "loss_type", ["bnpo", *(pytest.param(t, marks=pytest.mark.slow) for t in ("dr_grpo", "dapo", "cispo", "sapo"))]
+)
+def test_train_loss_types(models, tmp_path, loss_type):
+    """TRL's scenario with gradient_accumulation_steps=2: GRPO's loss type is ignored by ES, the accumulation runs
+    (each ES step takes 3 × 2 prompts)."""
+    with pytest.warns(UserWarning, match="ignored by ES: loss_type") if loss_type != "dapo" else nullcontext():
+        args = std(tmp_path, gradient_accumulation_steps=2, loss_type=loss_type)
+    trainer = ESTrainer(models["qwen2"], models["qwen2_rm"], args=args, train_dataset=zen())
     train_and_check(trainer)
 
 

@@ -30,7 +30,7 @@ from trl_es import ESConfig
         ("top_p", 1.5),
         ("noise_table_size", 1000),
         ("weight_decay", -0.1),
-        ("gradient_accumulation_steps", 4),
+        ("gradient_accumulation_steps", 0),
     ],
 )
 def test_bad_values_raise_naming_the_field(tmp_path, field, value):
@@ -94,3 +94,12 @@ def test_a_ported_grpo_config_keeps_the_constant_step_size_unless_its_user_set_a
     assert ESConfig.from_grpo_config(grpo()).lr_scheduler_type == "constant"
     assert ESConfig.from_grpo_config(grpo(lr_scheduler_type="cosine")).lr_scheduler_type == "cosine"
     assert ESConfig.from_grpo_config(grpo(), lr_scheduler_type="linear").lr_scheduler_type == "linear"
+
+
+def test_gradient_accumulation_is_kept_as_more_prompts_per_step(tmp_path):
+    """TRL's agent examples set gradient_accumulation_steps: ES accepts it (its steps take
+    per_device_train_batch_size × gradient_accumulation_steps prompts), from a GRPOConfig too."""
+    grpo = GRPOConfig(str(tmp_path), use_cpu=True, bf16=False, learning_rate=1e-3, gradient_accumulation_steps=4)
+    args = ESConfig.from_grpo_config(grpo)
+    assert args.gradient_accumulation_steps == 4
+    assert ESConfig(str(tmp_path), gradient_accumulation_steps=4).gradient_accumulation_steps == 4

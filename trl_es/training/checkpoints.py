@@ -181,7 +181,7 @@ class SavingMixin:
         settings = {
             "base model": get_config_model_id(self.model.config),
             **{name: getattr(args, name) for name in marked("card")},
-            "prompts per step": args.per_device_train_batch_size,
+            "prompts per step": args.per_device_train_batch_size * args.gradient_accumulation_steps,
             "steps": self.state.global_step,
             "reward functions": ", ".join(self.reward_functions.names),
             **(getattr(self, "_sparse_delta_card", None) or {}),

@@ -51,14 +51,15 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
     r"""
     Configuration for [`ESTrainer`]: Evolution Strategies post-training (docs/design.md).
 
-    One ES step takes `per_device_train_batch_size` prompts, evaluates `population_size` members
-    θ_i = θ + σ·ε_i on them (`num_generations` completions per prompt each), scores them with the reward functions,
-    and applies θ ← θ + α·(1/N)·Σ_i z_i·ε_i with α = `learning_rate` (following the lr scheduler, constant by default).
-    With several processes the members are split across them and every process reads the same prompts, so the step's
-    prompts stay `per_device_train_batch_size` whatever the number of processes (docs/scaling.md).
+    One ES step takes `per_device_train_batch_size × gradient_accumulation_steps` prompts (the batch GRPO accumulates
+    into one update), evaluates `population_size` members θ_i = θ + σ·ε_i on them (`num_generations` completions per
+    prompt each), scores them with the reward functions, and applies θ ← θ + α·(1/N)·Σ_i z_i·ε_i with α =
+    `learning_rate` (following the lr scheduler, constant by default). With several processes the members are split
+    across them and every process reads the same prompts, so the step's prompts stay the same whatever the number of
+    processes (docs/scaling.md).
 
-    Fields of [`~transformers.TrainingArguments`] that only make sense with gradients are refused
-    (`gradient_accumulation_steps` > 1) or ignored with a warning (`max_grad_norm`, `optim`, `gradient_checkpointing`).
+    Fields of [`~transformers.TrainingArguments`] that only make sense with gradients are ignored with a warning
+    (`max_grad_norm`, `optim`, `gradient_checkpointing`).
 
     Defaults that differ from TrainingArguments: `learning_rate=5e-4`, `lr_scheduler_type="constant"`,
     `logging_steps=1`, `max_grad_norm=0`, `remove_unused_columns=False`, `dataloader_pin_memory=False`.
@@ -119,7 +120,18 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         metadata={
             "group": STEP,
             "chain": True,
-            "help": "Prompts per ES step, shared by every member; with several processes every process reads the same prompts (the population is split, not the data).",
+            "help": "Prompts per ES step (times `gradient_accumulation_steps`), shared by every member; with several "
+            "processes every process reads the same prompts (the population is split, not the data).",
+        },
+    )
+    gradient_accumulation_steps: int = field(
+        default=1,
+        metadata={
+            "group": STEP,
+            "chain": True,
+            "help": "ES has no gradients to accumulate: it folds the micro-batches into one step, which takes "
+            "per_device_train_batch_size × gradient_accumulation_steps prompts (the batch GRPO accumulates into one "
+            "update); `max_steps` counts ES steps.",
         },
     )
     weight_decay: float = field(
@@ -703,11 +715,11 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             refuse("tool_call_timeout", "must be a finite number of seconds > 0 (None: no timeout)")
 
     def _check_gradient_fields(self):
-        """TrainingArguments fields that only make sense with gradients: refused or ignored with a warning."""
-        if self.gradient_accumulation_steps != 1:
+        """TrainingArguments fields that only make sense with gradients: given their ES meaning, or ignored with a
+        warning."""
+        if not (isinstance(self.gradient_accumulation_steps, int) and self.gradient_accumulation_steps >= 1):
             self._refuse(
-                "gradient_accumulation_steps",
-                "ES has no gradients to accumulate; use per_device_train_batch_size for more prompts per step",
+                "gradient_accumulation_steps", "an ES step folds in at least one batch of prompts: use an integer ≥ 1"
             )
         # A ported GRPOConfig brings TrainingArguments' and GRPOConfig's defaults (max_grad_norm=1, gradient
         # checkpointing on): they are reset without a word; only another value warns.

@@ -203,8 +203,9 @@ class DataMixin:
             self._signature_columns = ["prompt"]
 
     def get_train_dataloader(self):
-        """Every process reads the same prompts: the population is split across processes, not the data. So the
-        step's prompts are `per_device_train_batch_size` rows whatever the number of processes. With
+        """Every process reads the same prompts: the population is split across processes, not the data. So a
+        batch is `per_device_train_batch_size` rows whatever the number of processes (an ES step takes
+        `gradient_accumulation_steps` batches, `ESTrainer.training_step`). With
         `shuffle_dataset` (as GRPOConfig's) a map-style dataset is read in a seeded random order, an iterable one
         through a seeded shuffle buffer; without it, in dataset order."""
         if isinstance(self.train_dataset, torch.utils.data.IterableDataset):

@@ -228,14 +228,22 @@ class Population:
         self.last_completions, self._completions_step = None, None
 
     def cost(self) -> str:
-        """One line, printed when training starts: what one ES step generates."""
+        """One line, printed when training starts: what one ES step generates, over how many prompts (with
+        gradient accumulation, per_device_train_batch_size × gradient_accumulation_steps)."""
         args = self.args
         members = args.population_size + (args.es_baseline == "center")
-        completions = members * args.per_device_train_batch_size * args.num_generations
+        prompts = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        folded = (
+            f" (per_device_train_batch_size={args.per_device_train_batch_size} × gradient_accumulation_steps="
+            f"{args.gradient_accumulation_steps})"
+            if args.gradient_accumulation_steps > 1
+            else ""
+        )
+        completions = members * prompts * args.num_generations
         return (
-            f"trl-es: each ES step generates {completions} completions ({members} members × "
-            f"{args.per_device_train_batch_size} prompts × num_generations={args.num_generations}, each up to "
-            f"{args.max_completion_length} tokens), over {self.processes.accelerator.num_processes} process(es)"
+            f"trl-es: each ES step generates {completions} completions ({members} members × {prompts} prompts{folded} "
+            f"× num_generations={args.num_generations}, each up to {args.max_completion_length} tokens), over "
+            f"{self.processes.accelerator.num_processes} process(es)"
         )
 
     def layout(self, n_prompts: int) -> SummaryLayout:

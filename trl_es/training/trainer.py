@@ -217,15 +217,22 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
     def floating_point_ops(self, inputs) -> int:
         return 0  # no forward/backward FLOPs in Trainer's sense
 
+    _pending_rows = ()  # the prompts of the accumulation's micro-batches so far (`training_step`)
     _loss_sum, _loss_steps = 0.0, 0  # Σ of the losses of this `train` call's steps that had a reward, and their count
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        """Trainer's step: one ES step on the batch's prompts. Returns its loss, −`reward` (its mean population
-        reward; NaN when no completion got one)."""
+        """Trainer's micro-batch. The `gradient_accumulation_steps` micro-batches of an update (fewer at an epoch's
+        end) make one ES step on all their prompts, taken at the last of them, when Trainer steps its optimizer.
+        Returns the step's loss, −`reward` (its mean population reward; NaN when no completion got one), and 0 for
+        the micro-batches before the last."""
+        self._pending_rows = [*self._pending_rows, *inputs]
+        if not self.accelerator.sync_gradients:
+            return torch.zeros((), device=self.args.device)
+        rows, self._pending_rows = self._pending_rows, ()
         learning_rate = (
             self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else self.args.learning_rate
         )
-        self._es_step(inputs, self.state.global_step, learning_rate)
+        self._es_step(rows, self.state.global_step, learning_rate)
         loss = -self._metrics["reward"][-1]
         if not math.isnan(loss):
             self._loss_sum, self._loss_steps = self._loss_sum + loss, self._loss_steps + 1
@@ -240,7 +247,7 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         try:
             self.lock_output_dir()
             self._skipped_steps = 0
-            self._loss_sum, self._loss_steps = 0.0, 0
+            self._pending_rows, self._loss_sum, self._loss_steps = (), 0.0, 0
             self.accelerator.print(self.population.cost(), file=sys.stderr, flush=True)  # on the main process
             output = super().train(*args, **kwargs)
             if self.state.global_step == 0:
