@@ -23,10 +23,10 @@ demo: $(STAMP)
 	$(PY) -m trl_es.cli demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=15 -m "not slow" tests
 
 bench: $(STAMP)
 	$(PY) benchmarks/step_memory_time.py

@@ -153,7 +153,7 @@ def main():
         single, pair = run(1, options, folders[0]), run(2, options, folders[1])
         single_thread, zero3 = run(1, options, folders[2], threads=1), run(2, options, folders[3], zero3=True)
         reference = torch.load(Path(folders[0]) / "w0.pt")
-        same = all(  # (ZeRO-3 leaves θ partitioned; its equality is tested in tests/test_multiprocess.py)
+        same = all(  # (ZeRO-3 leaves θ partitioned; its equality is tested in tests/distributed/test_multiprocess.py)
             torch.equal(reference[name], weights[name])
             for folder in folders[1:3]
             for weights in [torch.load(Path(folder) / "w0.pt")]

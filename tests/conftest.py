@@ -30,3 +30,11 @@ def tiny_model_dir(tmp_path_factory, tokenizer_dir):
 def prompt_dataset():
     prompts = [f"Count to {n}:" for n in range(1, 9)]
     return Dataset.from_dict({"prompt": prompts, "target": [str(n) for n in range(1, 9)]})
+
+
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (`-n 2 --dist loadgroup`), the tests that launch processes or start vLLM engines run on
+    one worker, one after the other (they share session-scoped launches and need the machine's cores)."""
+    for item in items:
+        if {"distributed", "vllm"} & set(item.path.parts):
+            item.add_marker(pytest.mark.xdist_group("launches"))

@@ -75,7 +75,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def accelerate_launch(num_processes: int, *command: str, backend=("--multi_gpu",), cwd=None, env=None):
+def accelerate_launch(num_processes: int, *command: str, backend=("--multi_gpu",), cwd=None, env=None, timeout=600):
     launch = [
         sys.executable,
         "-m",
@@ -93,7 +93,7 @@ def accelerate_launch(num_processes: int, *command: str, backend=("--multi_gpu",
         str(free_port()),
     ]
     env = {**os.environ, "PYTHONPATH": str(TESTS), **(env or {})}
-    return subprocess.run([*launch, *command], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+    return subprocess.run([*launch, *command], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 
 def weights(model):

@@ -1,7 +1,7 @@
 """Runs that die: ES on the regression guard's tiny model, a checkpoint every step (keeping only the newest), killed
-with SIGKILL at chosen moments and resumed (tests/test_security_crash.py).
+with SIGKILL at chosen moments and resumed (tests/distributed/test_security_crash.py).
 
-    python tests/crash_es.py MODELS_DIR OUT_DIR SCENARIO [WHEN:FUNCTION:N | after-seconds:S] ...
+    python tests/distributed/crash_es.py MODELS_DIR OUT_DIR SCENARIO [WHEN:FUNCTION:N | after-seconds:S] ...
 
 SCENARIO is "full" or "merge" (Hyper-ES, whose search state is part of each checkpoint). Every run is a process of
 its own, forked from this one once the libraries are imported (so a run does not pay for the imports): first an

@@ -1,40 +1,46 @@
-"""A user script calling ESTrainer, launched by the multi-process tests with `accelerate launch` (`main` is called
-in the test process for the 1-process reference).
+"""The one launched harness: runs, one after the other in the same processes, launched by the distributed tests with
+`accelerate launch` (or called in the test process for the 1-process reference).
 
-    [ES_TEST_FAULT=raise|hang|kill] python multiprocess_es.py MODEL_DIR OUT_DIR '{"max_steps": 3, ...}'
+    python multiprocess_es.py OUT_DIR '[{"name": "logged", "model": DIR, "overrides": {...}}, ...]'
 
-Trains the tiny model on the counting prompts with `upper_vocab_share` (greedy) and writes the model (main process)
-and, per process, `weights-rank{r}.pt` (every parameter) and `result-rank{r}.json` (log history, or the error and
-whether θ was restored). ES_TEST_FAULT makes process 1 misbehave at step 1: `raise` (its reward function raises),
-`hang` (it sleeps past `ddp_timeout`), `kill` (it kills itself with SIGKILL).
+Each run is either a regression-guard scenario (`{"guard": "full", "models": DIR}`: its final weights' hash into
+OUT_DIR/hashes-rank{r}.json) or a user script calling ESTrainer (`train`): the tiny model on the counting prompts
+with `upper_vocab_share` (greedy), writing OUT_DIR/<name>/ — the model (main process), `weights-rank{r}.pt` (every
+parameter) and `result-rank{r}.json` (log history, or the error and whether θ was restored). A run's `fault` makes
+process 1 misbehave at step 1: `raise` (its reward function raises), `hang` (it sleeps past `ddp_timeout`), `kill`
+(it kills itself with SIGKILL). A failing run must come last: the processes leave after it.
 """
 
 import contextlib
+import gc
 import json
 import os
 import signal
 import sys
 import time
+from pathlib import Path
 
+import regression_guard  # registers the guard's search space before any trainer is built; vLLM's CPU settings
 import torch
 from datasets import Dataset
+from helpers import accelerate_launch
 from transformers import TrainerCallback
 
 from trl_es import ESConfig, ESTrainer
 
 
-FAULT = os.environ.get("ES_TEST_FAULT")
+FAULT = {"fault": None}  # the running run's fault
 
 
 def upper_vocab_share(completion_ids, trainer_state, **kwargs):
     """Share of completion tokens from the upper half of the vocabulary; process 1 misbehaves when asked."""
-    rank = int(os.environ.get("RANK", "0"))
-    if FAULT and rank == 1 and trainer_state.global_step == 1:
-        if FAULT == "raise":
+    rank, fault = int(os.environ.get("RANK", "0")), FAULT["fault"]
+    if fault and rank == 1 and trainer_state.global_step == 1:
+        if fault == "raise":
             raise RuntimeError("reward server unreachable")
-        if FAULT == "hang":
+        if fault == "hang":
             time.sleep(60)
-        if FAULT == "kill":
+        if fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
     return [sum(t >= 24576 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
@@ -46,7 +52,9 @@ class StepStartWeights(TrainerCallback):
         self.weights = {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def main(model_dir: str, out_dir: str, overrides: dict) -> dict:
+def train(model_dir: str, out_dir: str, overrides: dict, fault: str | None = None) -> dict:
+    """The user script's run into `out_dir`; its result (also written there, per process)."""
+    FAULT["fault"] = fault
     prompts = [f"Count to {n}:" for n in range(1, 9)]
     dataset = Dataset.from_dict({"prompt": prompts})
     values = dict(
@@ -108,8 +116,50 @@ def main(model_dir: str, out_dir: str, overrides: dict) -> dict:
     return result
 
 
+def guard_runs(models: Path, vllm: bool = False, scenarios=tuple(regression_guard.SCENARIOS)) -> list[dict]:
+    return [{"guard": scenario, "models": str(models), "vllm": vllm} for scenario in scenarios]
+
+
+def launch(out: Path, runs: list[dict], num_processes: int = 2, timeout: float = 900, **options):
+    """The harness launched with `num_processes` processes; the completed process."""
+    out.mkdir(parents=True, exist_ok=True)
+    script = Path(__file__)
+    return accelerate_launch(num_processes, str(script), str(out), json.dumps(runs), timeout=timeout, **options)
+
+
+def rank_hashes(out: Path, num_processes: int = 2) -> dict[str, str]:
+    """The guard hashes every process wrote; they must agree."""
+    ranks = [json.loads((out / f"hashes-rank{r}.json").read_text()) for r in range(num_processes)]
+    assert all(rank == ranks[0] for rank in ranks)  # every process ends with the same weights
+    return ranks[0]
+
+
+def main(out_dir: str, runs: list[dict]) -> bool:
+    """Every run in order; False after the first that failed (the runs after it are not started)."""
+    out, hashes, rank = Path(out_dir), {}, os.environ.get("RANK", "0")
+    group, ok = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None, True
+    for run in runs:
+        if "guard" in run:
+            extra = {"use_vllm": True} if run.get("vllm") else {}
+            hashes[run["guard"]] = regression_guard.run(run["guard"], Path(run["models"]), out / "guard", **extra)
+        else:
+            folder = out / run["name"]
+            folder.mkdir(parents=True, exist_ok=True)
+            ok = "error" not in train(run["model"], str(folder), dict(run.get("overrides", {})), run.get("fault"))
+        gc.collect()  # a finished trainer's vLLM engine shuts down here, not inside the next run
+        world = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+        assert world is group, f"after {run}: the process group accelerate made was destroyed"
+        if not ok:
+            break
+    (out / f"hashes-rank{rank}.json").write_text(json.dumps(hashes, indent=1))
+    return ok
+
+
 if __name__ == "__main__":
-    if "error" in main(sys.argv[1], sys.argv[2], json.loads(sys.argv[3])):
+    from accelerate import PartialState
+
+    PartialState()  # accelerate's process group, launched with several processes
+    if not main(sys.argv[1], json.loads(sys.argv[2])):
         # Leave without the interpreter's teardown: after a peer hung, torch.distributed's shutdown waits ~3 min for
         # it (measured), which says nothing about ES. The error and the weights are already written.
         sys.stdout.flush()

@@ -1,18 +1,14 @@
-"""The bitwise regression guard: the final weights of short ES runs, hashed, for every search space (greedy, and
-sampled where which members share a generate call must not matter).
+"""The bitwise regression guard's scenarios: the final weights of short ES runs, hashed, for every search space
+(greedy, and sampled where which members share a generate call must not matter).
 
-    python tests/regression_guard.py MODELS_DIR OUT_DIR [--vllm] SCENARIO ...
-
-Runs each scenario on a tiny Llama (heads of 32 dimensions, so vLLM's CPU attention takes it too; MODELS_DIR made
-by `prepare`) and writes OUT_DIR/hashes-rank{r}.json: {scenario: sha256 of the final weights}. Launched with `accelerate launch` it runs
-with several processes; `--vllm` generates with a colocated vLLM engine. tests/test_regression_guard.py compares
-the hashes with those recorded in tests/data/regression_hashes.json before the trainer was restructured: a
-refactoring that changes any bit of any result fails there.
+Each scenario (`run`) trains a tiny Llama (heads of 32 dimensions, so vLLM's CPU attention takes it too; made by
+`prepare`) and returns the SHA-256 of its final weights. The harness `multiprocess_es.py` runs them with one or two
+processes, with transformers or a colocated vLLM engine; tests/distributed/test_regression_guard.py compares the
+hashes with each other and with those recorded in tests/data/regression_hashes.json: a refactoring that changes any
+bit of any result fails there.
 """
 
-import gc
 import hashlib
-import json
 import os
 import sys
 from pathlib import Path
@@ -23,7 +19,6 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for `helpers`
 
 import torch  # noqa: E402
-from accelerate import PartialState  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from helpers import NormsOnlySpace, build_tiny_model, dice_trainer, es_config  # noqa: E402  (registers the space)
 
@@ -53,7 +48,7 @@ SCENARIOS = {
         "lowrank_members_per_call": 2,
     },
     "registered_space": {"es_search_space": NormsOnlySpace.name},  # a space defined outside trl-es
-    "agents": {},  # tests/test_agents.py's dice game: tool calls, an environment per episode, its reward
+    "agents": {},  # tests/training/test_agents.py's dice game: tool calls, an environment per episode, its reward
 }
 SAME = [("full", "resume"), ("lowrank_sampled", "lowrank_sampled_per_call_2")]
 """Scenarios that must end with the same weights in any environment: a resumed run and an uninterrupted one; a
@@ -117,24 +112,3 @@ def run(scenario: str, models: Path, out: Path, resume=None, **extra) -> str:
     trainer = ESTrainer(model_dir, reward, args=es_config(folder, **settings), train_dataset=dataset)
     trainer.train(resume_from_checkpoint=resume)
     return weights_sha256(trainer.model)
-
-
-def main():
-    models, out = Path(sys.argv[1]), Path(sys.argv[2])
-    vllm = "--vllm" in sys.argv[3:]
-    scenarios = [s for s in sys.argv[3:] if s != "--vllm"]
-    extra = {"use_vllm": True} if vllm else {}
-    PartialState()  # accelerate's process group, launched with several processes
-    group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
-    hashes = {}
-    for scenario in scenarios:
-        hashes[scenario] = run(scenario, models, out, **extra)
-        gc.collect()  # a finished trainer's engine shuts down here; accelerate's process group must outlive it
-        assert (torch.distributed.group.WORLD if torch.distributed.is_initialized() else None) is group, (
-            f"after {scenario}: the process group accelerate made was destroyed"
-        )
-    (out / f"hashes-rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps(hashes, indent=1))
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,10 @@
 
 The launch line is the one that really starts two CPU processes (checked on a 2-core machine): `--multi_gpu` with
 `use_cpu=True` in the config; DeepSpeed runs from the shipped `examples/accelerate/deepspeed_zero*.yaml` with
-`DS_ACCELERATOR=cpu`. Each launch costs ~20 s of start-up (imports, gloo), hence `slow`.
+`DS_ACCELERATOR=cpu`. Each launch costs ~20 s of start-up (imports, gloo), so a launch runs several runs of the
+harness (`multiprocess_es.py`), a failing one last: the 2-process launch shared with the regression guard
+(conftest.py), a killed run, its resume followed by a hung run, ZeRO-2, and ZeRO-3 followed by its resume (and
+`trl-es es` resolving TRL's short name zero3).
 """
 
 import json
@@ -14,29 +17,27 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPOSITORY, TESTS, accelerate_launch, build_tiny_model, free_port
+from helpers import REPOSITORY, TESTS, free_port
+from multiprocess_es import launch
 from transformers import AutoModelForCausalLM
 
 from trl_es.cli import main as cli
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
-SCRIPT = Path(__file__).parent / "multiprocess_es.py"
 CONFIGS = REPOSITORY / "examples" / "accelerate"
 EXTENSIONS = REPOSITORY / "build" / "torch_extensions"
 
 
-def run_script(out_dir: Path, model_dir: str, overrides: dict, fault=None, backend=("--multi_gpu",), env=None):
-    """`multiprocess_es.py` launched with 2 processes."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    arguments = [str(SCRIPT), model_dir, str(out_dir), json.dumps(overrides)]
-    env = {**(env or {}), **({"ES_TEST_FAULT": fault} if fault else {})}
-    if "deepspeed" in " ".join(backend):  # DeepSpeed on CPU; its communication op is JIT-built once into build/
-        env |= {
+def run_script(out_dir: Path, runs: list[dict], backend=("--multi_gpu",)):
+    """The harness launched with 2 processes (DeepSpeed on CPU: its communication op is JIT-built once into build/)."""
+    env = {}
+    if "deepspeed" in " ".join(backend):
+        env = {
             "DS_ACCELERATOR": "cpu",
             "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(EXTENSIONS)),
         }
-    return accelerate_launch(2, *arguments, backend=backend, env=env)
+    return launch(out_dir, runs, backend=backend, env=env)
 
 
 def results(out_dir: Path) -> dict[int, dict]:
@@ -78,26 +79,9 @@ def evaluation(run: dict) -> dict:
     return entry
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tokenizer_dir):
-    return build_tiny_model(tmp_path_factory.mktemp("mp") / "model", tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory, model_dir):
-    """The reference: the same seeded 3-step training in this process."""
-    import multiprocess_es
-
-    out = tmp_path_factory.mktemp("one")
-    assert "error" not in multiprocess_es.main(model_dir, str(out), {})
-    return out
-
-
-def test_two_processes_give_the_one_process_weights_and_logged_rewards(tmp_path, model_dir, one_process):
-    # 5 members + the centre on 2 processes: 3 evaluations each (N is not a multiple of K), launched with the shipped
-    # examples/accelerate/cpu_two_processes.yaml
-    result = run_script(tmp_path, model_dir, {}, backend=("--config_file", str(CONFIGS / "cpu_two_processes.yaml")))
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_two_processes_give_the_one_process_weights_and_logged_rewards(model_dir, one_process, two_processes):
+    # 5 members + the centre on 2 processes: 3 evaluations each (N is not a multiple of K)
+    tmp_path, one_process = two_processes / "logged", one_process / "logged"
     reference, runs = results(one_process)[0], results(tmp_path)
     assert {r: run["num_processes"] for r, run in runs.items()} == {0: 2, 1: 2}
     expected = rank_weights(one_process, 0)
@@ -159,59 +143,68 @@ def test_cli_resolves_trl_accelerate_config_short_names(tmp_path, model_dir, one
     assert result.returncode == 0, result.stderr[-3000:]
     assert "deepspeed_shm_comm_op" in result.stdout + result.stderr  # DeepSpeed's CPU communication: 2 processes
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "cli-out")
-    assert_equal_weights(dict(saved.named_parameters()), rank_weights(one_process, 0))
+    assert_equal_weights(dict(saved.named_parameters()), rank_weights(one_process / "logged", 0))
 
 
-def test_a_reward_error_on_one_process_stops_every_process_with_weights_restored(tmp_path, model_dir):
-    result = run_script(tmp_path, model_dir, {}, fault="raise")
-    assert result.returncode != 0
-    runs = results(tmp_path)
+def test_a_reward_error_on_one_process_stops_every_process_with_weights_restored(two_processes):
+    runs = results(two_processes / "raise")  # the shared launch's last run
     assert runs[1]["error"] == "RuntimeError: reward server unreachable"
     assert "process(es) [1] failed" in runs[0]["error"]
     assert runs[0]["restored"] and runs[1]["restored"]  # θ as at the start of the failed step, bitwise
 
 
-def test_a_hung_process_gives_a_timeout_error_naming_the_rank(tmp_path, model_dir):
-    result = run_script(tmp_path, model_dir, {"ddp_timeout": 5}, fault="hang")  # process 1 sleeps 60 s
-    assert result.returncode != 0
-    run = results(tmp_path)[0]
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory, model_dir) -> Path:
+    """A run whose process 1 kills itself at step 1 (after checkpoint-1), then one launch that resumes it to the end
+    and, last, a run whose process 1 hangs past ddp_timeout."""
+    out = tmp_path_factory.mktemp("killed")
+    save = {"save_strategy": "steps", "save_steps": 1}
+    killed = run_script(out, [{"name": "killed", "model": model_dir, "overrides": save, "fault": "kill"}])
+    assert killed.returncode != 0 and "SIGKILL" in killed.stderr
+    checkpoint = out / "killed" / "checkpoint-1"
+    assert sorted(p.name for p in (out / "killed").glob("checkpoint-*")) == ["checkpoint-1"]
+    AutoModelForCausalLM.from_pretrained(checkpoint)  # loadable
+    runs = [
+        {"name": "resumed", "model": model_dir, "overrides": {"resume_from_checkpoint": str(checkpoint)}},
+        {"name": "hung", "model": model_dir, "overrides": {"ddp_timeout": 5}, "fault": "hang"},  # process 1 sleeps
+    ]
+    resumed = run_script(out, runs)
+    assert resumed.returncode != 0 and (out / "hung" / "result-rank0.json").is_file(), resumed.stderr[-3000:]
+    return out
+
+
+def test_a_killed_process_leaves_a_loadable_checkpoint_and_resume_with_two_processes(killed, one_process):
+    for rank in (0, 1):
+        assert_equal_weights(rank_weights(killed / "resumed", rank), rank_weights(one_process / "logged", 0))
+
+
+def test_a_hung_process_gives_a_timeout_error_naming_the_rank(killed):
+    run = results(killed / "hung")[0]
     assert "process 0 of 2 gave up waiting" in run["error"] and "ddp_timeout=5" in run["error"]
     assert run["restored"]
-
-
-def test_a_killed_process_leaves_a_loadable_checkpoint_and_resume_with_two_processes(tmp_path, model_dir, one_process):
-    killed = run_script(tmp_path / "killed", model_dir, {"save_strategy": "steps", "save_steps": 1}, fault="kill")
-    assert killed.returncode != 0 and "SIGKILL" in killed.stderr
-    checkpoint = tmp_path / "killed" / "checkpoint-1"
-    assert sorted(p.name for p in (tmp_path / "killed").glob("checkpoint-*")) == ["checkpoint-1"]
-    AutoModelForCausalLM.from_pretrained(checkpoint)  # loadable
-    resumed = run_script(tmp_path / "killed", model_dir, {"resume_from_checkpoint": str(checkpoint)})
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    for rank in (0, 1):
-        assert_equal_weights(rank_weights(tmp_path / "killed", rank), rank_weights(one_process, 0))
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_zero_two_processes_give_the_one_process_weights(tmp_path, model_dir, one_process, stage):
     zero = ("--config_file", str(CONFIGS / f"deepspeed_zero{stage}.yaml"))  # the shipped examples
-    result = run_script(tmp_path, model_dir, {"save_strategy": "steps", "save_steps": 2}, backend=zero)
+    runs = [{"name": "zero", "model": model_dir, "overrides": {"save_strategy": "steps", "save_steps": 2}}]
+    if stage == 3:  # then, in the same launch, resume from the checkpoint saved at step 2 under ZeRO-3
+        checkpoint = str(tmp_path / "zero" / "checkpoint-2")
+        runs.append({"name": "resumed", "model": model_dir, "overrides": {"resume_from_checkpoint": checkpoint}})
+    result = run_script(tmp_path, runs, backend=zero)
     assert result.returncode == 0, result.stderr[-3000:]
-    runs = results(tmp_path)
+    runs, reference = results(tmp_path / "zero"), results(one_process / "logged")[0]
     assert {r: run["zero3_partitioned"] for r, run in runs.items()} == {0: stage == 3, 1: stage == 3}
     for run in runs.values():  # no gradients, no optimizer state; ZeRO-3's engine only partitions parameters
         assert run["gradients"] == run["optimizer_state"] == 0
         assert run["engine_optimizer"] == ("DeepSpeedZeRoOffload" if stage == 3 else "NoneType")
     steps = [entry["reward"] for entry in runs[0]["log_history"] if "reward" in entry]
-    assert steps == [entry["reward"] for entry in results(one_process)[0]["log_history"] if "reward" in entry]
-    assert same(evaluation(runs[0]), evaluation(results(one_process)[0]), EVAL_METRICS)  # θ gathered under ZeRO-3
-    expected = rank_weights(one_process, 0)
+    assert steps == [entry["reward"] for entry in reference["log_history"] if "reward" in entry]
+    assert same(evaluation(runs[0]), evaluation(reference), EVAL_METRICS)  # θ gathered under ZeRO-3
+    expected = rank_weights(one_process / "logged", 0)
     for rank in (0, 1):
-        assert_equal_weights(rank_weights(tmp_path, rank), expected)
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path)  # HF names and full tensors, gathered under ZeRO-3
+        assert_equal_weights(rank_weights(tmp_path / "zero", rank), expected)
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "zero")  # HF names and full tensors, gathered
     assert_equal_weights(dict(saved.named_parameters()), expected)
-    if stage == 3:  # resume from the checkpoint saved at step 2 under ZeRO-3
-        resumed = tmp_path / "resumed"
-        checkpoint = str(tmp_path / "checkpoint-2")
-        result = run_script(resumed, model_dir, {"resume_from_checkpoint": checkpoint}, backend=zero)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert_equal_weights(rank_weights(resumed, 0), expected)
+    if stage == 3:
+        assert_equal_weights(rank_weights(tmp_path / "resumed", 0), expected)

@@ -1,7 +1,7 @@
 """A crash at any moment leaves a resumable run: training killed with SIGKILL while it writes a checkpoint (the
 weights, the optimizer/scheduler/RNG states, the Hyper-ES search state, the publishing rename, the rotation of old
 checkpoints) or at seeded random times, then resumed with `resume_from_checkpoint=True`, ends bitwise on the weights
-of a run that was never interrupted. Each run is a real process (forked by tests/crash_es.py) killed for real."""
+of a run that was never interrupted. Each run is a real process (forked by tests/distributed/crash_es.py) killed for real."""
 
 import json
 import random
@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import regression_guard
 
 
 pytestmark = pytest.mark.slow
@@ -26,20 +25,14 @@ KILL_POINTS = {
 RANDOM_KILLS = {"full": 1, "merge": 0}  # at seeded random times within the run
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory, tokenizer_dir):
-    folder = tmp_path_factory.mktemp("crash-models")
-    regression_guard.prepare(folder, tokenizer_dir)
-    return folder
-
 
 @pytest.mark.parametrize("scenario", ["full", "merge"])
-def test_killed_runs_resume_to_the_uninterrupted_weights(models, tmp_path, scenario):
+def test_killed_runs_resume_to_the_uninterrupted_weights(guard_models, tmp_path, scenario):
     rng = random.Random(f"crash-{scenario}")
     kills = KILL_POINTS[scenario] + [
         f"after-seconds:{rng.uniform(8, 20):.1f}:0" for _ in range(RANDOM_KILLS[scenario])
     ]
-    command = [sys.executable, str(SCRIPT), str(models), str(tmp_path), scenario, *kills]
+    command = [sys.executable, str(SCRIPT), str(guard_models), str(tmp_path), scenario, *kills]
     process = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert process.returncode == 0, process.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())

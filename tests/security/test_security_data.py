@@ -1,6 +1,6 @@
 """Bad data gets a clear error or GRPO's behaviour: empty or missing prompts name their row, each reward function
 sees its own copy of the completions, an empty iterable dataset is an error, prompts beyond the model's context warn
-once. (Numpy and torch scalar rewards: tests/test_security_values.py.)"""
+once. (Numpy and torch scalar rewards: tests/security/test_security_values.py.)"""
 
 import warnings
 

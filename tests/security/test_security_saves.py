@@ -1,6 +1,6 @@
 """Every save is atomic: Ctrl-C or an error while `save_model` writes leaves the output directory as it was — no
 config without weights, no weights without a tokenizer — and a crash while a checkpoint is written leaves no
-partial `checkpoint-K` (tests/test_security_crash.py kills real runs at every step of a checkpoint)."""
+partial `checkpoint-K` (tests/distributed/test_security_crash.py kills real runs at every step of a checkpoint)."""
 
 import fcntl
 import os

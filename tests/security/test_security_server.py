@@ -1,5 +1,5 @@
 """The vLLM server's guards without a vLLM engine: the token middleware (real ASGI calls), the warning for a server
-reachable from other machines, and the worker extension's argument checks. tests/test_vllm.py runs the same guards
+reachable from other machines, and the worker extension's argument checks. tests/vllm/test_vllm.py runs the same guards
 on a real `trl-es vllm-serve` (unauthenticated clients, malformed calls, a third party changing the weights)."""
 
 import asyncio

@@ -492,4 +492,4 @@ def test_batched_lowrank_episodes_do_not_depend_on_which_members_share_a_call(tm
 
 
 # Two processes give the weights of one with an environment: the regression guard's `agents` scenario
-# (tests/test_regression_guard.py).
+# (tests/distributed/test_regression_guard.py).

@@ -1,6 +1,6 @@
 """The package's layer rule, checked over its import graph (every `import`, function-level ones included).
 
-Run as a script (`python tests/test_layers.py`) it prints each layer with its modules and what they import.
+Run as a script (`python tests/unit/test_layers.py`) it prints each layer with its modules and what they import.
 """
 
 import ast

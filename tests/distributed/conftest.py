@@ -1,0 +1,52 @@
+"""The distributed tests' shared runs: the 1-process reference and ONE 2-process launch of the harness
+(`multiprocess_es.py`) that runs every regression-guard scenario, the user script's logged run and, last, a run
+whose reward raises on process 1. Several test modules assert on what these runs wrote."""
+
+import os
+from pathlib import Path
+
+import multiprocess_es
+import pytest
+import regression_guard
+from helpers import REPOSITORY, build_tiny_model
+from multiprocess_es import guard_runs, launch
+
+
+@pytest.fixture(scope="session")
+def guard_models(tmp_path_factory, tokenizer_dir) -> Path:
+    """The regression guard's tiny model and, for Hyper-ES, two 'fine-tuned' versions of it."""
+    folder = tmp_path_factory.mktemp("guard-models")
+    regression_guard.prepare(folder, tokenizer_dir)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory, tokenizer_dir) -> str:
+    """The user script's tiny model."""
+    return build_tiny_model(tmp_path_factory.mktemp("mp") / "model", tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def one_process(guard_models, model_dir, tmp_path_factory) -> Path:
+    """The reference, in this process: every guard scenario (OUT/hashes-rank0.json) and the logged run."""
+    out = tmp_path_factory.mktemp("one-process")
+    os.environ.pop("RANK", None)
+    assert multiprocess_es.main(str(out), [*guard_runs(guard_models), {"name": "logged", "model": model_dir}])
+    return out
+
+
+@pytest.fixture(scope="session")
+def two_processes(guard_models, model_dir, tmp_path_factory) -> Path:
+    """One launch with 2 processes (the shipped examples/accelerate/cpu_two_processes.yaml): every guard scenario, the logged run, and last the run whose reward raises on
+    process 1 (which ends the launch)."""
+    out = tmp_path_factory.mktemp("two-processes")
+    runs = [
+        *guard_runs(guard_models),
+        {"name": "logged", "model": model_dir},
+        {"name": "raise", "model": model_dir, "fault": "raise"},
+    ]
+    shipped = ("--config_file", str(REPOSITORY / "examples" / "accelerate" / "cpu_two_processes.yaml"))
+    process = launch(out, runs, backend=shipped)
+    finished = all((out / f"hashes-rank{r}.json").is_file() for r in range(2)) and (out / "raise").is_dir()
+    assert process.returncode != 0 and finished, process.stdout[-3000:] + process.stderr[-5000:]  # the last run fails
+    return out
