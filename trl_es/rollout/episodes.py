@@ -30,21 +30,15 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import collections
 import concurrent.futures
 import contextlib
 import copy
 import functools
 import inspect
-import random
-import threading
-import types
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
 from trl.chat_template_utils import (
     add_response_schema,
     get_training_chat_template,
@@ -56,6 +50,15 @@ from trl.trainer.utils import is_async_callable, shutdown_event_loop_in_daemon, 
 from ..es.seeds import environment_check_seed, environment_reward_seed, environment_seed, tool_seed, turn_seed
 from ..generation import Completions
 from ..util.compat import parse_response, tool_suffix_ids
+from .environments import (
+    CHECK_ROUNDS,
+    attribute_pictures,
+    environment_methods,
+    environment_reward,
+    no_exit,
+    seeded,
+)
+from .tools import MAX_NESTING, ToolTimeout, call_with_timeout, exit_guarded, nesting
 
 
 TOOL_TEMPLATE_HINT = (
@@ -63,158 +66,6 @@ TOOL_TEMPLATE_HINT = (
     "tokenizer.chat_template = open(os.path.join(os.path.dirname(trl.__file__), 'chat_templates', "
     "'qwen2_5.jinja')).read()"
 )
-
-MAX_NESTING = 100
-"""The deepest lists and dicts a completion's tool calls may nest: deeper ones stay text (parsing, copying or
-rendering them would exhaust Python's recursion limit)."""
-
-CHECK_ROUNDS = 3
-"""The reproducibility check resets each of two instances this many times (a start drawn from 5 values that trl-es
-does not seed passes 2·3 − 1 comparisons with probability 5⁻⁵)."""
-
-LARGEST_PICTURED = 10_000
-"""Containers, arrays and tensors of more elements than this are compared by their size only."""
-
-
-@contextlib.contextmanager
-def seeded(seed: int):
-    """Python's, NumPy's and torch's global RNGs seeded with `seed` inside, their states restored on exit."""
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        random.seed(seed)
-        np.random.seed(seed % 2**32)
-        torch.manual_seed(seed)
-        try:
-            yield
-        finally:
-            random.setstate(python_state)
-            np.random.set_state(numpy_state)
-
-
-@contextlib.contextmanager
-def no_exit(what: str):
-    """A `SystemExit` raised inside (model-written code calling `exit()`) becomes a RuntimeError naming `what`: it
-    fails that call or step, and never ends the run."""
-    try:
-        yield
-    except SystemExit as error:
-        code = "" if error.code is None else repr(error.code)
-        raise RuntimeError(f"{what} called exit({code})") from None
-
-
-async def exit_guarded(coroutine, what: str):
-    """`coroutine`'s result, a `SystemExit` in it raised as `no_exit` raises it (on the event loop, a SystemExit
-    would stop the loop itself)."""
-    with no_exit(what):
-        return await coroutine
-
-
-class ToolTimeout(TimeoutError):
-    """A tool call that did not answer within `tool_call_timeout`."""
-
-    def __init__(self, name: str, timeout: float):
-        super().__init__(f"tool {name} did not answer within tool_call_timeout={timeout} s")
-
-
-def nesting(value) -> int:
-    """How deep lists and dicts nest in `value` (0: neither), counted without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            item = list(item.values())
-        if isinstance(item, (list, tuple)):
-            deepest = max(deepest, depth)
-            stack.extend((child, depth + 1) for child in item)
-    return deepest
-
-
-def picture(value, depth: int = 6):
-    """What `value` holds, comparable between instances: plain data as it is, a random generator by its state, an
-    array or tensor by its values, another object by its attributes (`depth` levels down); anything else (a client,
-    a lock, a function) by its type, and anything larger than `LARGEST_PICTURED` elements by its size."""
-    kind = type(value).__qualname__
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
-        return repr(value)
-    if isinstance(value, random.Random):
-        return repr(value.getstate())
-    if isinstance(value, np.random.Generator):
-        return repr(value.bit_generator.state)
-    if isinstance(value, np.random.RandomState):
-        name, keys, *rest = value.get_state()
-        return (name, keys.tobytes(), repr(rest))
-    if isinstance(value, torch.Generator):
-        return value.get_state().numpy().tobytes()
-    if isinstance(value, (np.ndarray, torch.Tensor)):
-        size = (str(value.dtype), tuple(value.shape))
-        count = value.size if isinstance(value, np.ndarray) else value.numel()
-        return size if count > LARGEST_PICTURED else (*size, picture(value.tolist(), depth))
-    if depth == 0:
-        return kind
-    if isinstance(value, (dict, list, tuple, set, frozenset, collections.deque)) and len(value) > LARGEST_PICTURED:
-        return (kind, len(value))
-    if isinstance(value, dict):
-        return (kind, [(picture(k, depth - 1), picture(v, depth - 1)) for k, v in value.items()])
-    if isinstance(value, (list, tuple, collections.deque)):
-        return (kind, [picture(v, depth - 1) for v in value])
-    if isinstance(value, (set, frozenset)):
-        return (kind, sorted(repr(picture(v, depth - 1)) for v in value))
-    attributes = getattr(value, "__dict__", None)
-    if isinstance(attributes, dict) and not isinstance(value, (type, types.ModuleType, types.FunctionType)):
-        return (kind, picture(attributes, depth - 1))
-    return kind
-
-
-def attribute_pictures(instance) -> dict:
-    """`picture` of each of `instance`'s attributes (its type's name where one cannot be pictured)."""
-    pictures = {}
-    for name, value in getattr(instance, "__dict__", {}).items():
-        try:
-            pictures[name] = picture(value)
-        except Exception:  # a value whose contents cannot be read: compared by its type
-            pictures[name] = type(value).__qualname__
-    return pictures
-
-
-def environment_methods(environment) -> tuple[list[Callable], bool, bool]:
-    """(its public methods, bound: the tools), whether it has `reset`, whether it has `get_reward` — listed on the
-    class, as TRL does (listing the instance would evaluate its properties)."""
-    tools, has_reset, has_reward = [], False, False
-    for name, _ in inspect.getmembers(type(environment), predicate=inspect.isfunction):
-        if name == "reset":
-            has_reset = True
-        elif name == "get_reward":
-            has_reward = True
-        elif not name.startswith("_"):
-            tools.append(getattr(environment, name))
-    return tools, has_reset, has_reward
-
-
-def environment_reward(env_type: type, around: Callable) -> Callable:
-    """The reward function of an environment class that owns its reward: `get_reward()` of each completion's
-    environment of exactly that class, inside `around(environment)` (its seeded RNGs), None (no reward) for the
-    others."""
-
-    if inspect.iscoroutinefunction(env_type.get_reward):
-
-        async def reward_of(environment):
-            with around(environment):
-                return await environment.get_reward()
-
-        async def get_reward(environments, **kwargs):
-            return [await reward_of(e) if type(e) is env_type else None for e in environments]
-
-    else:
-
-        def reward_of(environment):
-            with around(environment):
-                return environment.get_reward()
-
-        def get_reward(environments, **kwargs):
-            return [reward_of(e) if type(e) is env_type else None for e in environments]
-
-    get_reward.__name__ = env_type.__name__
-    return get_reward
 
 
 @dataclass
@@ -586,24 +437,3 @@ class Agents:
                 results[i] = future.result()
             except Exception as error:  # the model's mistake, shown to it as the tool's answer
                 results[i] = self._failed(episode, error)
-
-
-def call_with_timeout(tool: Callable, arguments: dict, timeout: float, name: str):
-    """`tool(**arguments)` in a daemon thread, waited for `timeout` seconds: a `ToolTimeout` after that (the call
-    itself keeps running in the background: Python cannot stop a thread)."""
-    outcome = {}
-
-    def target():
-        try:
-            outcome["result"] = tool(**arguments)
-        except BaseException as error:  # re-raised in the caller's thread
-            outcome["error"] = error
-
-    thread = threading.Thread(target=target, daemon=True, name=f"trl-es-tool-{name}")
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        raise ToolTimeout(name, timeout)
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
