@@ -12,9 +12,10 @@ trl-es apply-delta --base B --delta delta.safetensors --out M [--force]
                                      # the thresholded model, rebuilt bitwise from the base and the delta
 trl-es sparsity-sweep --base B --tuned T [--taus 1e-3,2e-3] [--top 0.01]
                                      # Pass@1 of thresholded updates across τ, delta sizes, a plot
-trl-es eval --model M [--model M2 ...] --task gsm8k --n 8 --k 1,4,8 [--limit 50] [--out-dir D]
-                                     # Pass@K, Maj@K and token entropy per model: a table, results.json,
-                                     # Pass@K-profile and Pareto plots; resumes an interrupted run
+trl-es eval --model M [--model M2 ...] (--task gsm8k,math500 | --suite easy|math|heldout) [--protocol paper]
+            [--n 8 --k 1,4,8] [--limit 50] [--train-task T] [--out-dir D]
+                                     # Pass@K, Maj@K and token entropy per model and task: the research's
+                                     # tables (Average, held-out change), results.json, plots; resumes
 trl-es study --task small_sums --budget-minutes 20 [--methods es,grpo,grpo-es,es-grpo] [--out D]
                                      # ES vs GRPO at the same wall-clock budget: Pass@K, Maj@K, entropy,
                                      # update size and sparsity, KL drift; a table, results.json, plots; resumes

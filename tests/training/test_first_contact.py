@@ -134,7 +134,7 @@ def test_eval_decodes_greedily_and_says_which_decoding(tmp_path, tiny_model_dir,
     argv = ["eval", "--model", tiny_model_dir, "--task", "small_sums", "--limit", "2", "--out_dir", str(out)]
     assert cli([*argv, "--greedy", "--n", "1"]) == 0
     assert "decoding: greedy" in capsys.readouterr().out
-    settings = json.loads((out / "results.json").read_text())["settings"]
+    settings = json.loads((out / "results.json").read_text())["settings"]["small_sums"]  # per task
     assert settings["do_sample"] is False
     assert cli([*argv, "--temperature", "0", "--n", "4"]) == 1  # greedy: n equal completions
     assert "evaluate it with n=1" in capsys.readouterr().err
