@@ -5,12 +5,14 @@ they measured. The configuration and connection errors are checked in this proce
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import es_config
+from helpers import build_tiny_model, es_config
+from vllm_scenarios import VLLM_MODEL
 
 
 SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
@@ -258,3 +260,34 @@ def test_vllm_serve_command(tmp_path):
     assert command[-2:] == ["--dtype", "float32"]
     with pytest.raises(SystemExit):
         serve_command(["--dtype", "float32"])  # no --model
+
+
+def eval_cli(out: Path, model: str, *flags: str) -> dict:
+    """`trl-es eval` on small sums in its own process (vLLM binds the threads of the process that starts it); the
+    records of each evaluated model, batch by batch."""
+    command = [sys.executable, "-m", "trl_es.cli", "eval", "--model", model, "--task", "small_sums", "--limit", "4",
+               "--batch-size", "2", "--out-dir", str(out), *flags]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    process = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-5000:]
+    records = {}
+    for path in sorted((out / "records" / "small_sums").glob("*.jsonl")):
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        records[path.stem] = [{k: line[k] for k in ("batch", "correct", "answers", "tokens")} for line in lines[1:]]
+    return records
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_eval_through_vllm_gives_the_transformers_records_and_repeats_sampled_runs(tmp_path, tokenizer_dir):
+    """`trl-es eval --use-vllm`: greedy, the transformers path's records (answers, verdicts, completion lengths);
+    sampled, each completion under its own seed, the same records from a second engine in the same call."""
+    pytest.importorskip("vllm")
+    model = build_tiny_model(tmp_path / "model", tokenizer_dir, **VLLM_MODEL)
+    greedy = ("--greedy", "--n", "1")
+    transformers = eval_cli(tmp_path / "hf", model, *greedy)["model"]
+    assert transformers == eval_cli(tmp_path / "vllm", model, *greedy, "--use-vllm")["model"]
+    sampled = eval_cli(tmp_path / "sampled", model, "--model", model, "--n", "4", "--k", "1,4", "--use-vllm")
+    assert sampled["model"] == sampled["model'"] and len(sampled["model"]) == 2
+    settings = json.loads((tmp_path / "sampled" / "results.json").read_text())["settings"]["small_sums"]
+    assert settings["backend"] == "vllm"  # recorded: a transformers run's records are not mixed in

@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch-size", type=int, default=8, help="problems per generate call (× n completions)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--out-dir", default="outputs/eval", help="results, records, tables and plots")
+    parser.add_argument("--use-vllm", action="store_true", help="generate with an in-process vLLM engine (each model "
+                        "in turn; every completion under its own seed); no token entropy")  # fmt: skip
     options = parser.parse_args(argv)
     k_values = None
     if options.k is not None:
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
         top_k=options.top_k,
         protocol=options.protocol,
         train_task=options.train_task,
+        use_vllm=options.use_vllm,
     )
     protocol = results["protocol"]
     if protocol:

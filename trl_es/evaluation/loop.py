@@ -22,6 +22,7 @@ import math
 import os
 import sys
 import time
+import types
 from collections.abc import Callable
 
 import torch
@@ -149,19 +150,27 @@ def evaluate_model(
     name: str,
     batch_size: int = 8,
     progress: Callable[[str], None] = print_progress,
+    use_vllm: bool = False,
 ) -> dict[str, dict]:
     """Load the model at `model_path` once and evaluate it on every task of `problems` ({task: (Task, dataset,
     settings)}), each task's batches appended to `records_dir/<task>/<name>.jsonl` (resuming from the batches already
-    there). Returns {task: scores (with the task's `wall_s`)}. The generation backend is chosen here, once."""
+    there). Returns {task: scores (with the task's `wall_s`)}. The generation backend is chosen here, once: transformers
+    `generate`, or with `use_vllm` an in-process vLLM engine on the model's directory (every completion its own
+    request under its own seed, as in training; no token entropy)."""
     from ..generation import TransformersGeneration, decoding_config
 
     model, tokenizer, eos_ids = _load(model_path)
     weights = weights_hash(dict(model.named_parameters()))  # the records' model
+    engine = _vllm_engine(model) if use_vllm else None
 
     def generation(settings: dict):
         decoding = {key: settings[key] for key in ("do_sample", "temperature", "top_p", "top_k")}
         config = decoding_config(tokenizer, eos_ids, settings["max_completion_length"], **decoding)
-        return TransformersGeneration(model, tokenizer, config, eos_ids)
+        if engine is None:
+            return TransformersGeneration(model, tokenizer, config, eos_ids)
+        from ..generation import VLLMGeneration
+
+        return VLLMGeneration(engine, model, tokenizer, config, eos_ids, None)
 
     scores = {}
     for task_name, (task, dataset, settings) in problems.items():
@@ -175,6 +184,21 @@ def evaluate_model(
                                           label, progress)  # fmt: skip
         scores[task_name]["wall_s"] = round(time.perf_counter() - start, 1)
     return scores
+
+
+def _vllm_engine(model):
+    """An in-process vLLM engine on `model`'s directory with vLLM's defaults (ESConfig's vLLM fields), as training's
+    colocate mode starts it; it replaces this process's earlier engine (one per process)."""
+    from accelerate import PartialState
+
+    from ..generation.vllm_engine import Colocated, require_vllm
+
+    require_vllm()
+    defaults = types.SimpleNamespace(
+        vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.3, vllm_max_model_length=None,
+        vllm_model_impl="vllm", vllm_enforce_eager=None,
+    )  # fmt: skip
+    return Colocated(model.name_or_path, defaults, PartialState(), next(model.parameters()).dtype)
 
 
 def evaluate_task(
@@ -327,6 +351,7 @@ def evaluate_tasks(
     top_k: int = 0,
     protocol: str | None = None,
     train_task: str | None = None,
+    use_vllm: bool = False,
 ) -> dict:
     """Evaluate every model on every task (see the module docstring); returns and writes `results.json`:
     {"tasks", "k", "protocol", "train_task", "settings": {task: settings}, "models": {name: {"path", "wall_s",
@@ -335,7 +360,8 @@ def evaluate_tasks(
     `max_completion_length` left None come from the `protocol` ("paper", "paper-hard"), else from
     `protocol.DEFAULTS`. Decoding samples (`temperature` > 0, `top_p`, `top_k`; 0: off) unless `greedy` (or
     `temperature` = 0); greedy decoding gives n equal completions, so it takes n = 1. `train_task`: the task the
-    models were trained on, left out of the held-out change. Bad input (unknown task, K outside 1..n, batch size
+    models were trained on, left out of the held-out change. `use_vllm`: generate through vLLM (recorded: records of
+    the two backends are not mixed). Bad input (unknown task, K outside 1..n, batch size
     below 1, missing columns) fails before any model is loaded or any file written."""
     tasks = list(dict.fromkeys(tasks))
     if not tasks:
@@ -379,6 +405,7 @@ def evaluate_tasks(
             "top_k": None if greedy else top_k,
             "batch_size": batch_size,
             "seed": seed,
+            **({"backend": "vllm"} if use_vllm else {}),
         }
         problems[name] = (task, dataset, settings[name])
     os.makedirs(out_dir, exist_ok=True)
@@ -390,7 +417,7 @@ def evaluate_tasks(
         progress(f"{name}: {', '.join(f'{t} × {len(d)}' for t, (_, d, _) in problems.items())} problems, n={n}")
         start = time.perf_counter()
         scores = evaluate_model(path, problems, n, k_values, os.path.join(out_dir, "records"), name, batch_size,
-                                progress)  # fmt: skip
+                                progress, use_vllm)  # fmt: skip
         results["models"][name] = {"path": path, "wall_s": round(time.perf_counter() - start, 1), "tasks": scores}
         results["models"][name]["average"] = averages(results, name)
     results["heldout_change"] = heldout_change(results)

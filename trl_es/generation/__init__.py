@@ -48,7 +48,7 @@ def make_backend(model, tokenizer, eos_token_ids, args, accelerator, params):
     if args.vllm_mode == "colocate":  # a server runs vLLM in its own environment; the trainer only talks HTTP
         require_vllm()
     engine = start_engine(model, tokenizer, args, accelerator, params)
-    generation = VLLMGeneration(engine, *generation_args, args.chat_template_kwargs, args)
+    generation = VLLMGeneration(engine, *generation_args, args.chat_template_kwargs, args.generation_kwargs)
     return generation, VLLMWeights(local, generation, args)
 
 

@@ -74,10 +74,13 @@ class VLLMGeneration(Generation):
     full next-token distribution, so no token entropy. Inside `VLLMWeights.lowrank_members`, each row goes through
     its member's adapter (`row_adapters`)."""
 
-    def __init__(self, engine, model, tokenizer, generation_config, eos_token_ids, chat_template_kwargs, args):
+    def __init__(
+        self, engine, model, tokenizer, generation_config, eos_token_ids, chat_template_kwargs, generation_kwargs=None
+    ):
+        """`generation_kwargs`: ESConfig's; the keys GenerationConfig does not know go to vLLM's SamplingParams."""
         super().__init__(model, tokenizer, generation_config, eos_token_ids, chat_template_kwargs)
         known = set(GenerationConfig().to_dict())
-        extra = {k: v for k, v in (args.generation_kwargs or {}).items() if k not in known}
+        extra = {k: v for k, v in (generation_kwargs or {}).items() if k not in known}
         self.settings = sampling_settings(generation_config, eos_token_ids, extra)
         self.engine = engine
         self.row_adapters: list[int] | int | None = None  # set by the low-rank members' route
