@@ -130,3 +130,15 @@ def test_every_task_rewards_its_reference_answers_and_only_them():
         ValueError, match="unknown task 'gsm9k'; built-in tasks: aime24, aime25, amc23, commonsenseqa, countdown"
     ):
         get_task("gsm9k")
+
+
+def test_small_sums_last_scores_the_last_integer_the_first_integer_check_misses():
+    from trl_es.tasks import TASKS, last_integer_reward
+
+    task = TASKS["small_sums_last"]
+    completions = ["12 + 4 equals 16.", "16", "The answer is 15, not 16 + 0 = 17", "sixteen", [{"role": "assistant",
+                   "content": "4 + 12 = 16"}]]  # fmt: skip
+    assert last_integer_reward(completions, ["16"] * 5) == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert TASKS["small_sums"].reward(completions[:1], ["16"]) == [0.0]  # the first integer is the operand 12
+    assert [task.extract_answer(c) for c in ["12 + 4 equals 16.", "none"]] == ["16", None]
+    assert task.load("test")["answer"] == TASKS["small_sums"].load("test")["answer"]  # the same problems

@@ -1,4 +1,9 @@
-"""Small sums: "What is a + b?" with a, b in 1..12, the demo task.
+"""Small sums: "What is a + b?" with a, b in 1..12, the demo task, scored two ways.
+
+`small_sums` (`first_integer_reward`) takes the completion's first integer as its answer, which mostly measures
+where the answer stands ("12 + 4 equals 16." answers 12). `small_sums_last` (`last_integer_reward`) takes the last
+integer: the same model and problems then sit in the research's regime (SmolLM2-135M-Instruct at T = 0.6: Pass@1
+near 0.35, Pass@16 above 0.9, docs/study.md), where a base already covers the task and Pass@K can be kept or lost.
 
 Chosen from a calibration run: SmolLM2-135M-Instruct gets a few of these right (3/64 held
 out), so the population's rewards differ and ES has a signal; on two-digit sums it scores 0 and ES learns nothing.
@@ -37,6 +42,20 @@ def extract_answer(text: str) -> str | None:
     """The completion's first integer (its answer, for Maj@K), or None."""
     match = _INTEGER.search(text)
     return match.group() if match else None
+
+
+def extract_last_answer(text: str) -> str | None:
+    """The completion's last integer (its answer, for Maj@K), or None."""
+    found = _INTEGER.findall(text)
+    return found[-1] if found else None
+
+
+def last_integer_reward(completions, answer, **kwargs) -> list[float]:
+    """1.0 when the last integer in the completion equals `answer`, else 0.0."""
+    return [
+        float(extract_last_answer(_text(completion)) == str(expected).strip())
+        for completion, expected in zip(completions, answer, strict=True)
+    ]
 
 
 def first_integer_reward(completions, answer, **kwargs) -> list[float]:
