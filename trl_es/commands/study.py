@@ -38,10 +38,11 @@ import torch
 from transformers import TrainerCallback
 
 from ..evaluation import check_k, evaluate, evaluate_tasks, expand_tasks, print_progress, research_k
-from ..evaluation.report import averages, heldout_change, heldout_table, markdown, plot_pareto, plot_pass_at_k, pyplot
+from ..evaluation.report import averages, heldout_change, plot_pareto, plot_pass_at_k
 from ..tasks import TASKS, get_task
 from ..util.atomic import atomic_write_text
 from .parser import command_parser
+from .study_report import TAUS, plot_curves, plot_rewards, write_seeds_table, write_table
 from .train import load_reward_funcs
 
 
@@ -50,8 +51,6 @@ ES_SETTINGS = {"population_size": 8, "sigma": 5e-3, "learning_rate": 5e-3, "per_
 """The demo's calibrated ES settings (trl_es.commands.demo); members generate greedily unless --es-sample."""
 GRPO_SETTINGS = {"learning_rate": 1e-5, "per_device_train_batch_size": 16, "num_generations": 4, "bf16": False}
 """TRL GRPOTrainer: 4 prompts × 4 completions per step, lr 1e-5 (TRL's default 1e-6 barely moves in minutes)."""
-TAUS = (1e-3, 1.5e-3, 2e-3)
-"""The research's thresholds for s_τ, the share of an update's nonzero entries with |Δ| ≤ τ."""
 OFF_TASK_TEXTS = [
     "The river bends twice before it reaches the old mill at the edge of the village.",
     "She packed a thermos of tea, two apples and a map that was already falling apart at the folds.",
@@ -206,129 +205,6 @@ def measure_updates(base_path: str, paths: dict[str, str]) -> dict:
     if "es" in weights and "grpo" in weights and measures["es"]["relative_l2"] and measures["grpo"]["relative_l2"]:
         measures["cosine_es_grpo"] = update_cosine(base_weights, weights["es"], weights["grpo"])
     return measures
-
-
-def table_columns(results: dict) -> list[str]:
-    ks, k = results["k"], results["k"][-1]
-    return ["steps", "seconds", *(f"pass@{x}" for x in ks), f"maj@{k}", "entropy", "rel. L2",
-            "s_τ " + "/".join(f"{t:g}" for t in TAUS), "KL drift"]  # fmt: skip
-
-
-def table_values(results: dict, name: str) -> dict:
-    """A model's row of the table as numbers, by column (a column without a value, as the base's training, absent;
-    s_τ is a tuple, one share per τ)."""
-    row, ks, k = results["models"][name], results["k"], results["k"][-1]
-    scores, training, update = row["eval"], row.get("training"), row.get("update")
-    values = {f"pass@{x}": scores[f"pass@{x}"] for x in ks}
-    values |= {f"maj@{k}": scores.get(f"maj@{k}", float("nan")), "entropy": scores["mean_token_entropy"]}
-    if training:
-        values |= {"steps": training["steps"], "seconds": training["seconds"]}
-    if update:
-        values |= {"rel. L2": update["relative_l2"], "KL drift": update["kl_drift"],
-                   table_columns(results)[-2]: tuple(update["s_tau"].values())}  # fmt: skip
-    return values
-
-
-def cell(column: str, value) -> str:
-    if isinstance(value, tuple):
-        return "/".join(f"{share:.2f}" for share in value)
-    formats = {"steps": "{:.0f}", "seconds": "{:.0f}", "rel. L2": "{:.2e}", "KL drift": "{:.4f}"}
-    return formats.get(column, "{:.3f}").format(value)
-
-
-def write_table(results: dict, path: str) -> str:
-    """The research's form: one row per model, one column per metric."""
-    columns = table_columns(results)
-    lines = ["| model | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
-    for name in results["models"]:
-        values = table_values(results, name)
-        lines.append(f"| {name} | " + " | ".join(cell(c, values[c]) if c in values else "" for c in columns) + " |")
-    if "cosine_es_grpo" in results:
-        lines.append(f"\ncos(Δ_ES, Δ_GRPO) = {results['cosine_es_grpo']:.4f}")
-    if "heldout" in results:
-        lines.append("\n" + heldout_table(results["heldout"]))
-    text = "\n".join(lines) + "\n"
-    atomic_write_text(path, text)
-    return text
-
-
-def write_seeds_table(by_seed: dict[int, dict], path: str) -> str:
-    """`write_table` over several seeds: each cell the mean (min–max) of the seeds' values (s_τ: the mean)."""
-    first = next(iter(by_seed.values()))
-    columns = [c for c in table_columns(first) if not c.startswith("s_τ")]
-    lines = [f"seeds {', '.join(map(str, by_seed))}: mean (min–max)\n", "| model | " + " | ".join(columns) + " |",
-             "|---|" + "---:|" * len(columns)]  # fmt: skip
-    for name in first["models"]:
-        rows = [table_values(results, name) for results in by_seed.values()]
-        cells = []
-        for column in columns:
-            values = [row[column] for row in rows if column in row]
-            mean = sum(values) / len(values) if values else None
-            cells.append(f"{cell(column, mean)} ({cell(column, min(values))}–{cell(column, max(values))})"
-                         if values else "")  # fmt: skip
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    cosines = [results["cosine_es_grpo"] for results in by_seed.values() if "cosine_es_grpo" in results]
-    if cosines:
-        lines.append(
-            f"\ncos(Δ_ES, Δ_GRPO) = {sum(cosines) / len(cosines):.4f} ({min(cosines):.4f}–{max(cosines):.4f})"
-        )
-    if "heldout" in first:
-        changes = [results["heldout"]["heldout_change"] for results in by_seed.values()]
-        keys = list(next(iter(changes[0].values())))
-        rows = []
-        for name in changes[0]:
-            spread = [[change[name][key] for change in changes] for key in keys]
-            rows.append([name, *(f"{sum(v) / len(v):+.1f} ({min(v):+.1f}–{max(v):+.1f})" for v in spread)])
-        header = ["model", *(f"Δ{'M' if key.startswith('maj') else ''}@{key.split('@')[1]}" for key in keys)]
-        lines.append(f"\nHeld-out change against base (points; mean over {', '.join(first['heldout']['tasks'])})\n")
-        lines.append(markdown(header, rows))
-    text = "\n".join(lines) + "\n"
-    atomic_write_text(path, text)
-    return text
-
-
-def plot_rewards(runs: list[dict], path: str) -> None:
-    """Mean training reward against wall clock per method (a continued method after its first stage's time); `runs`:
-    the training records of each seed, {method: record}, drawn in one colour per method."""
-    plt = pyplot()
-    figure, axes = plt.subplots(figsize=(6, 4))
-    for records in runs:
-        for color, (method, record) in enumerate(records.items(), start=1):  # C0 is the base's in the Pass@K plots
-            offset = records[record["starts_from"]]["seconds"] if record["starts_from"] != "base" else 0.0
-            if record["history"]:
-                seconds, _, rewards = zip(*record["history"], strict=True)
-                axes.plot([offset + s for s in seconds], rewards, ".-", color=f"C{color}",
-                          label=method if records is runs[0] else None)  # fmt: skip
-    axes.set_xlabel("wall clock (s)")
-    axes.set_ylabel("mean training reward")
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-
-
-def plot_curves(runs: list[dict], path: str) -> None:
-    """Pass@1 and Pass@K (the largest K) of each method's `--marks` points against wall clock, from the base's score
-    at 0 (a continued method from its first stage's end); `runs`: the results of each seed, one colour per method."""
-    plt = pyplot()
-    k = runs[0]["k"]
-    figure, axes = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
-    for results in runs:
-        models = results["models"]
-        for color, (method, row) in enumerate(((m, r) for m, r in models.items() if m != "base"), start=1):
-            start = row["training"]["starts_from"]
-            offset = models[start]["training"]["seconds"] if start != "base" else 0.0
-            origin = models[start]["curve"][-1] if start != "base" else {"seconds": 0.0, **models["base"]["eval"]}
-            points = [origin | {"seconds": origin["seconds"] - offset}, *row["curve"]]
-            for axis, metric in zip(axes, (f"pass@{k[0]}", f"pass@{k[-1]}"), strict=True):
-                axis.plot([offset + p["seconds"] for p in points], [p[metric] for p in points], ".-",
-                          color=f"C{color}", label=method if results is runs[0] else None)  # fmt: skip
-                axis.set_title(f"held-out Pass@{metric.removeprefix('pass@')}")
-                axis.set_xlabel("wall clock (s)")
-    axes[0].legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
 
 
 def evaluate_heldout(options, tasks: list[str], k_values: list[int], paths: dict[str, str], progress) -> dict:
