@@ -34,7 +34,7 @@ from ..es.space import SEARCH_SPACES, optimizer_header, rebuild_optimizer, step_
 from ..es.weights import LocalWeights, weights_hash
 from ..util.atomic import atomic_write_text
 from ..util.compat import import_extra
-from ..util.models import is_hub_repository
+from ..util.models import is_hub_repository, quantization_record
 
 
 FORMAT = "trl-es-chain/1"
@@ -50,6 +50,8 @@ class Base(TypedDict):
     sha256: str
     es_adapter_only: bool  # trained the adapter of a PeftModel only
     peft_config: dict | None  # a new adapter ESTrainer added (peft_config), rebuilt seeded at replay
+    model_dtype: str  # the dtype the base was loaded in (absent from older chains: the ES parameters' `dtype`)
+    quantization: dict | None  # how transformers quantized the base (its quantization_config), loaded so at replay
 
 
 class Header(TypedDict):
@@ -131,6 +133,8 @@ def new_chain(args, model, params, space, optimizer, model_source: str, new_adap
         sha256=weights_hash(dict(model.named_parameters())),
         es_adapter_only=args.es_adapter_only,
         peft_config=_jsonable(peft_config.to_dict()) if peft_config is not None else None,
+        model_dtype=str(model.dtype).removeprefix("torch."),
+        quantization=quantization_record(model),
     )
     return Chain(Header(base=base, **run_header(args, params, space, optimizer)))
 
@@ -285,6 +289,8 @@ def _check_content(data: dict, path: str) -> None:
     require(base.get("peft_config") is None or isinstance(base["peft_config"], dict), "bad header.base.peft_config")
     require(base.get("path") is None or isinstance(base["path"], str), "header.base.path must be a string")
     require(header.get("dtype") in DTYPES, f"header.dtype must be one of {DTYPES}")
+    require(base.get("model_dtype", "float32") in DTYPES, f"header.base.model_dtype must be one of {DTYPES}")
+    require(base.get("quantization") is None or isinstance(base["quantization"], dict), "bad header.base.quantization")
     names = header.get("parameters")
     require(isinstance(names, list) and names and all(isinstance(n, str) for n in names), "bad header.parameters")
     require(isinstance(noise, dict) and _is_int(noise.get("seed")), "header.noise.seed must be an integer")
@@ -323,14 +329,21 @@ def _finite_numbers(value) -> bool:
 
 
 def load_base(path: str, header: dict) -> torch.nn.Module:
-    """The chain's starting model from `path`, loaded as training loaded it: in the chain's dtype, as a trainable
-    adapter for an adapter-only run, with the new adapter (seeded as in training) for a `peft_config` run."""
-    from ..util.models import add_adapter, load_starting_model, resolve_model
+    """The chain's starting model from `path`, loaded as training loaded it: in the base's dtype, quantized as it
+    was, as a trainable adapter for an adapter-only run, with the new adapter (seeded as in training) for a
+    `peft_config` run."""
+    from ..util.models import add_adapter, load_starting_model, quantization_config_from, resolve_model
 
     path = resolve_model(path)
     base = header["base"]
-    kwargs = {"dtype": getattr(torch, header["dtype"]), "revision": base.get("revision")}
-    model = load_starting_model(path, base["es_adapter_only"], **{k: v for k, v in kwargs.items() if v is not None})
+    kwargs = {"dtype": getattr(torch, base.get("model_dtype", header["dtype"])), "revision": base.get("revision")}
+    if base.get("quantization") is not None:
+        kwargs["quantization_config"] = quantization_config_from(base["quantization"])
+    with warnings.catch_warnings():  # a base saved quantized holds the same config: transformers says it uses its own
+        warnings.filterwarnings("ignore", message=".*already has a `quantization_config`")
+        model = load_starting_model(
+            path, base["es_adapter_only"], **{k: v for k, v in kwargs.items() if v is not None}
+        )
     if base["peft_config"] is not None:
         get_peft_config = import_extra("peft", "peft", "replaying a chain of new adapters").get_peft_config
         try:

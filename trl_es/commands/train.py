@@ -5,12 +5,12 @@
 
 The same argument dataclasses as `trl grpo` — TRL's `GRPOScriptArguments` (dataset_name, dataset_config, splits,
 dataset_streaming, reward_funcs, reward_model_name_or_path), `ModelConfig` (model_name_or_path, model_revision,
-dtype, attn_implementation, LoRA fields), `DatasetMixtureConfig` (datasets) — with `ESConfig` in place of
-GRPOConfig (which accepts every GRPOConfig field). Reward functions resolve as in TRL's script (its registry,
-factories included, then dotted import paths), plus the built-in tasks' rewards; datasets load with TRL's
-`get_dataset` or `datasets.load_dataset`, plus the built-in tasks and local files. What no dataclass knows goes to
-`accelerate launch` when it is one of its flags (TRL's `--accelerate_config` short names resolved as in `trl`);
-anything else is an error naming the closest field.
+dtype, attn_implementation, LoRA fields, load_in_4bit / load_in_8bit: an adapter on a quantized base),
+`DatasetMixtureConfig` (datasets) — with `ESConfig` in place of GRPOConfig (which accepts every GRPOConfig field).
+Reward functions resolve as in TRL's script (its registry, factories included, then dotted import paths), plus the
+built-in tasks' rewards; datasets load with TRL's `get_dataset` or `datasets.load_dataset`, plus the built-in tasks
+and local files. What no dataclass knows goes to `accelerate launch` when it is one of its flags (TRL's
+`--accelerate_config` short names resolved as in `trl`); anything else is an error naming the closest field.
 """
 
 from __future__ import annotations
@@ -117,9 +117,6 @@ def build_trainer(script_args, training_args, model_args, dataset_args):
 
     from .. import ESTrainer
 
-    if get_quantization_config(model_args) is not None:
-        raise ValueError("load_in_4bit / load_in_8bit: ES writes perturbations into the weights, which needs them in "
-                         "a floating-point dtype")  # fmt: skip
     model_init_kwargs = {"revision": model_args.model_revision, "attn_implementation": model_args.attn_implementation,
                          "dtype": model_args.dtype, **(training_args.model_init_kwargs or {})}  # fmt: skip
     training_args.model_init_kwargs = {key: value for key, value in model_init_kwargs.items() if value is not None}
@@ -134,6 +131,7 @@ def build_trainer(script_args, training_args, model_args, dataset_args):
         args=training_args,
         train_dataset=dataset[script_args.dataset_train_split],
         eval_dataset=dataset[script_args.dataset_test_split] if evaluating else None,
+        quantization_config=get_quantization_config(model_args),  # load_in_4bit / load_in_8bit, with an adapter
         peft_config=get_peft_config(model_args),
     )
 

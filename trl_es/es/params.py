@@ -20,17 +20,33 @@ def layer_index(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def is_quantized(p: torch.Tensor) -> bool:
+    """Whether `p` is stored quantized: an integer dtype (bitsandbytes' Int8Params, Params4bit) or a tensor subclass
+    (torchao's quantized tensors report a float dtype). Writing θ + σ·ε into one corrupts it silently."""
+    return not p.dtype.is_floating_point or type(p) not in (torch.Tensor, torch.nn.Parameter)
+
+
 def select_parameters(
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]], patterns: list[str] | None = None
 ) -> dict[str, torch.nn.Parameter]:
     """The parameters θ that ES perturbs: every trainable one (`requires_grad`), or those whose name matches
-    one of the regular expressions in `patterns` (`re.search`). Tied parameters appear once."""
+    one of the regular expressions in `patterns` (`re.search`). Tied parameters appear once. Quantized parameters
+    (`is_quantized`) are never selected: ES writes members and updates into θ, which quantized storage cannot
+    hold."""
     trainable = {name: p for name, p in named_parameters if p.requires_grad}
     if patterns:
         compiled = [re.compile(pattern) for pattern in patterns]
         trainable = {name: p for name, p in trainable.items() if any(c.search(name) for c in compiled)}
         if not trainable:
             raise ValueError(f"`es_parameter_patterns` {patterns} match no trainable parameter of the model")
+    quantized = [name for name, p in trainable.items() if is_quantized(p)]
+    if quantized and len(quantized) == len(trainable):
+        raise ValueError(
+            f"the parameters ES would perturb are all quantized (e.g. {quantized[0]!r}): ES writes θ + σ·ε into "
+            "them, which quantized storage cannot hold. Train an adapter on the quantized model (peft_config, or "
+            "es_adapter_only=True with an adapter)"
+        )
+    trainable = {name: p for name, p in trainable.items() if not is_quantized(p)}
     if not trainable:
         raise ValueError("the model has no trainable parameters (requires_grad=True) for ES to perturb")
     for name, p in trainable.items():

@@ -15,8 +15,17 @@ from transformers.utils import logging
 from trl.trainer.grpo_config import GRPOConfig
 from trl.trainer.utils import disable_dropout_in_model, get_config_model_id
 
+from ..es.params import is_quantized
 from ..util.compat import is_peft_model
-from ..util.models import add_adapter, eos_token_ids, load_starting_model, load_tokenizer, resolve_model
+from ..util.models import (
+    add_adapter,
+    eos_token_ids,
+    is_quantized_model,
+    load_starting_model,
+    load_tokenizer,
+    quantization_name,
+    resolve_model,
+)
 from .config import ESConfig
 
 
@@ -31,19 +40,33 @@ def check_model_type(model) -> None:
         )
 
 
-def prepare_model(model, args, processing_class=None, peft_config=None):
+def prepare_model(model, args, processing_class=None, peft_config=None, quantization_config=None):
     """(model, tokenizer, EOS ids) for ESTrainer's `model` argument as GRPOTrainer takes it: an id or path (loaded
-    with `args.model_init_kwargs`), a PreTrainedModel or a PeftModel; `peft_config` adds a new adapter. Dropout off,
-    pad token set (the EOS when the tokenizer has none)."""
+    with `args.model_init_kwargs` and `quantization_config`), a PreTrainedModel or a PeftModel; `peft_config` adds a
+    new adapter. A quantized model must carry the adapter ES trains (`check_quantized`). Dropout off, pad token set
+    (the EOS when the tokenizer has none)."""
     model_path = resolve_model(model) if isinstance(model, str) else None
     if isinstance(model, str):
         init_kwargs = {"trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})}
+        if quantization_config is not None:
+            if "quantization_config" in init_kwargs:
+                raise ValueError(
+                    "`quantization_config` is given both as ESTrainer's argument and in `args.model_init_kwargs`: "
+                    "give it in one place, preferably the trainer argument (as GRPOTrainer)"
+                )
+            init_kwargs["quantization_config"] = quantization_config
+        if init_kwargs.get("quantization_config") is not None:  # a quantized model cannot be moved once loaded
+            init_kwargs.setdefault("device_map", {"": args.device})  # and every process holds all of it
         model = load_starting_model(model_path, args.es_adapter_only, **init_kwargs)
-    elif args.model_init_kwargs is not None:
-        logger.warning("`model_init_kwargs` is ignored: the model is already instantiated.")
+    else:
+        if args.model_init_kwargs is not None:
+            logger.warning("`model_init_kwargs` is ignored: the model is already instantiated.")
+        if quantization_config is not None:
+            logger.warning("`quantization_config` is ignored: the model is already instantiated.")
     check_model_type(model)
     if peft_config is not None:
         model = add_adapter(model, peft_config, args.seed)
+    check_quantized(model)
     if processing_class is None:
         processing_class = load_tokenizer(model_path, model, args.trust_remote_code)
     tokenizer = check_tokenizer(processing_class, model)
@@ -51,6 +74,56 @@ def prepare_model(model, args, processing_class=None, peft_config=None):
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     disable_dropout_in_model(model)
     return model, tokenizer, eos_token_ids(model, tokenizer)
+
+
+def check_quantized(model) -> None:
+    """A ValueError for full ES on a quantized model: ES writes every member θ + σ·ε and every update into the
+    weights it trains, which quantized storage cannot hold (bitsandbytes' int8 and 4-bit tensors would be corrupted
+    silently). On a quantized base ES trains an adapter, whose weights are floating point, as QLoRA does."""
+    if is_peft_model(model) or not is_quantized_model(model):
+        return
+    example = next(name for name, p in model.named_parameters() if is_quantized(p))
+    raise ValueError(
+        f"the model's weights are quantized ({quantization_name(model)}, e.g. {example!r}): ES writes θ + σ·ε and "
+        "its updates into the weights it trains, which quantized storage cannot hold. Train an adapter on the "
+        "quantized base: peft_config=LoraConfig(...) (`use_peft: true` in a `trl-es es` recipe), or "
+        "es_adapter_only=True with an adapter directory"
+    )
+
+
+def check_optimizers(args, optimizers, optimizer_cls_and_kwargs) -> None:
+    """A ValueError for Trainer's `optimizers` / `optimizer_cls_and_kwargs` (GRPOTrainer's arguments) that this run
+    would not use: only with `es_optimizer` does an optimizer step on the ES gradient estimate, and a scheduler
+    must schedule the optimizer it comes with."""
+    optimizer, scheduler = optimizers if optimizers is not None else (None, None)
+    if (optimizer is not None or scheduler is not None or optimizer_cls_and_kwargs is not None) and not (
+        args.es_optimizer
+    ):
+        given = "`optimizers`" if optimizer is not None or scheduler is not None else "`optimizer_cls_and_kwargs`"
+        raise ValueError(
+            f"{given} gives Trainer an optimizer, which the plain ES update does not use (it moves θ by "
+            "learning_rate and lr_scheduler_type itself): set ESConfig(es_optimizer=True) to have the optimizer step "
+            "on the ES gradient estimate"
+        )
+    if scheduler is not None and optimizer is None:
+        raise ValueError(
+            "`optimizers` holds a scheduler without its optimizer: the scheduler would set the learning rate of an "
+            "optimizer ESTrainer does not step. Pass (optimizer, scheduler), or give the optimizer with "
+            "`optimizer_cls_and_kwargs` and the schedule with lr_scheduler_type"
+        )
+
+
+def check_optimizer_parameters(optimizer, params: dict) -> None:
+    """A ValueError unless `optimizer` holds every parameter ES trains (it steps on their gradient estimate; one it
+    lacks would never move)."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    missing = [name for name, p in params.items() if id(p) not in held]
+    if missing:
+        raise ValueError(
+            f"the optimizer does not hold {len(missing)} of the {len(params)} parameters ES trains (e.g. "
+            f"{missing[0]!r}), which would never move: build it over the trained model's parameters (with "
+            "peft_config, the adapter exists only inside ESTrainer: pass optimizer_cls_and_kwargs instead)"
+        )
 
 
 def check_setup(args, model, zero_stage: int | None, num_processes: int) -> None:

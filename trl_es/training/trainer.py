@@ -34,6 +34,8 @@ from .loading import (
     check_args,
     check_eval_dataset,
     check_model_type,
+    check_optimizer_parameters,
+    check_optimizers,
     check_setup,
     prepare_model,
     training_dataset,
@@ -65,9 +67,15 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         processing_class (`PreTrainedTokenizerBase`, *optional*): the tokenizer; default: the model's.
         reward_processing_classes (*optional*): tokenizers of reward models, as in GRPOTrainer.
         callbacks (*optional*): Trainer callbacks.
+        optimizers (*optional*): (optimizer, scheduler), as in GRPOTrainer; with `args.es_optimizer` only, the
+            optimizer steps on the ES gradient estimate and must hold every parameter ES trains.
+        quantization_config (`transformers.BitsAndBytesConfig`, *optional*): quantizes a model loaded from an id or
+            path, as in GRPOTrainer; ES then trains an adapter on it (`peft_config` or `args.es_adapter_only`).
         peft_config (`peft.PeftConfig`, *optional*): a new adapter; ES then perturbs its weights only.
         tools, environment_factory (*optional*): agent episodes, as in GRPOTrainer (`trl_es.rollout.episodes`).
         rollout_func (*optional*): `rollout_func(prompts, trainer)`, the user's own generation, as in GRPOTrainer.
+        optimizer_cls_and_kwargs (*optional*): (optimizer class, its kwargs), as Trainer takes it: the optimizer
+            `es_optimizer` builds over the trained parameters (e.g. those of the adapter ESTrainer adds).
 
     Example (the README's quick start runs offline on SmolLM2):
 
@@ -104,19 +112,25 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         processing_class: PreTrainedTokenizerBase | None = None,
         reward_processing_classes=None,
         callbacks=None,
+        optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
+        quantization_config=None,
         peft_config=None,
         tools: list[Callable] | None = None,
         rollout_func: Callable | None = None,
         environment_factory=None,
+        optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict] | None = None,
     ):
         check_model_type(model)
         args = check_args(args, model)
+        check_optimizers(args, optimizers, optimizer_cls_and_kwargs)
         train_dataset = training_dataset(train_dataset, args, environment_factory)
         if eval_dataset is not None:
             check_eval_dataset(eval_dataset, train_dataset)
         check_agent_arguments(args, tools, environment_factory, rollout_func)
         model_source = model if isinstance(model, str) else get_config_model_id(model.config)
-        model, processing_class, eos_ids = prepare_model(model, args, processing_class, peft_config)
+        model, processing_class, eos_ids = prepare_model(
+            model, args, processing_class, peft_config, quantization_config
+        )
         self.agents = None
         if tools or environment_factory is not None:
             self.agents = Agents(processing_class, args, tools, environment_factory)
@@ -140,6 +154,8 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
             eval_dataset=eval_dataset,
             processing_class=processing_class,
             callbacks=callbacks,
+            optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
         )
         # Under DeepSpeed, ESTrainer prepares the model itself (`_prepare_for_training`): Trainer's DeepSpeed paths
         # build a training engine, save engine checkpoints and gather through it, none of which applies to ES.
@@ -182,13 +198,16 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
     # ---- Trainer plumbing -------------------------------------------------------------------------------------
 
     def create_optimizer(self, model=None):
-        """With `es_optimizer`, Trainer's optimizer (`optim`, …), which the ES step itself steps on the gradient
-        estimate the search space wrote (its `tell`; Trainer's own `optimizer.step()` then finds no gradient
-        and does nothing). Otherwise a placeholder: the plain update keeps no optimizer
+        """With `es_optimizer`, Trainer's optimizer (the one given in `optimizers`, else built from
+        `optimizer_cls_and_kwargs` or `optim`, …), which the ES step itself steps on the gradient estimate the search
+        space wrote (its `tell`; Trainer's own `optimizer.step()` then finds no gradient and does nothing); it must
+        hold every ES parameter. Otherwise a placeholder: the plain update keeps no optimizer
         state; this SGD over one scalar that never receives a gradient (so `step()` does nothing) lets Trainer's
         scheduler drive α_t, saved and resumed with checkpoints."""
         if self.args.es_optimizer:
-            return super().create_optimizer(model)
+            optimizer = super().create_optimizer(model)
+            check_optimizer_parameters(optimizer, self.es_params)
+            return optimizer
         if self.optimizer is None:
             self._lr_holder = torch.nn.Parameter(torch.zeros((), device=self.args.device))
             self.optimizer = torch.optim.SGD([self._lr_holder], lr=self.args.learning_rate)

