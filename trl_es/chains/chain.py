@@ -30,7 +30,7 @@ import torch
 from trl.trainer.utils import get_config_model_id
 
 from ..es.noise import CHUNK, MAX_TABLE_SIZE
-from ..es.space import SEARCH_SPACES, optimizer_header, rebuild_optimizer, step_optimizer
+from ..es.space import SEARCH_SPACES, anchor_pull, optimizer_header, rebuild_optimizer, step_optimizer
 from ..es.weights import LocalWeights, weights_hash
 from ..util.atomic import atomic_write_text
 from ..util.compat import import_extra
@@ -61,7 +61,8 @@ class Header(TypedDict):
     dtype: str  # of the ES parameters, e.g. "float32"
     parameters: list[str]  # the ES parameters' names, in order
     noise: dict  # {"seed", "table_size"}: the noise table's
-    space: dict  # the search space's `chain_header()` (`kind` = its registered name), plus "optimizer" with one
+    space: dict  # the search space's `chain_header()` (`kind` = its registered name), plus "optimizer" with one and
+    # "anchor_decay" (λ of θ ← θ − λ·(θ − θ₀) after each update, θ₀ the base) with es_anchor_decay
     settings: dict  # ESConfig's fields marked `chain`, for the reader (replay needs none of them)
 
 
@@ -88,19 +89,21 @@ def _space_class(kind: str):
 
 def run_header(args, params, space, optimizer) -> dict:
     """What a run's chain header records of its set-up (all but `base`): the ES parameters' dtype and names, the
-    noise table, the search space (and optimizer), the settings."""
+    noise table, the search space (and optimizer, and anchored decay), the settings."""
     optimizer = {"optimizer": optimizer_header(optimizer, params)} if args.es_optimizer and optimizer else {}
+    anchor = {"anchor_decay": space.rule.anchor_decay} if space.rule.anchor_decay else {}
     return {
         "dtype": str(next(iter(params.values())).dtype).removeprefix("torch."),
         "parameters": list(params),
         "noise": {"seed": args.seed, "table_size": args.noise_table_size},
-        "space": {**space.chain_header(), **optimizer},
+        "space": {**space.chain_header(), **optimizer, **anchor},
         "settings": {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.metadata.get("chain")},
     }
 
 
 RESUME_FIELDS = {"dtype": "the model's dtype", "parameters": "es_parameter_patterns (the parameters ES moves)",
-                 "noise": "seed or noise_table_size", "space": "es_search_space or its settings"}  # fmt: skip
+                 "noise": "seed or noise_table_size",
+                 "space": "es_search_space or its settings, or es_anchor_decay"}  # fmt: skip
 """The header parts a resumed run must share with its checkpoint's chain, and the settings that decide them."""
 
 
@@ -188,7 +191,9 @@ class Chain:
 
     def apply(self, model: torch.nn.Module, steps: int | None = None, force: bool = False) -> torch.nn.Module:
         """Replay the chain's updates of steps < `steps` (default: all) on `model`, which must hold the chain's base
-        weights (checked by SHA-256 unless `force`). The model's parameters change in place; it is returned."""
+        weights (checked by SHA-256 unless `force`), each followed, as in training, by the optimizer's step and the
+        anchored decay toward the base, when the run had them. The model's parameters change in place; it is
+        returned."""
         named = dict(model.named_parameters())
         if weights_hash(named) != self.header["base"]["sha256"]:
             message = (
@@ -209,6 +214,11 @@ class Chain:
 
         replay = _space_class(space["kind"]).replayer(space, weights, load_starting_model)
         optimizer = rebuild_optimizer(space["optimizer"], params) if space.get("optimizer") else None
+        anchor = (
+            {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
+            if space.get("anchor_decay")
+            else None
+        )
         with torch.no_grad():
             for entry in self.steps:
                 if steps is not None and entry["step"] >= steps:
@@ -219,6 +229,8 @@ class Chain:
                         replay(entry["update"])
                         if optimizer is not None:  # the optimizer's step, as training took it
                             step_optimizer(optimizer, params, entry["update"]["learning_rates"])
+                        if anchor is not None:  # the pull toward the base θ₀, as training's `SearchSpace.tell`
+                            anchor_pull(params, anchor, space["anchor_decay"])
                     except (KeyError, IndexError, TypeError) as error:
                         raise ValueError(
                             f"the update of chain step {entry['step']} is malformed ({error!r})"
@@ -300,6 +312,8 @@ def _check_content(data: dict, path: str) -> None:
         f"header.noise.table_size must be in {CHUNK}..{MAX_TABLE_SIZE}",
     )
     require(isinstance(space, dict), "header.space is missing")
+    decay = space.get("anchor_decay", 0.0)
+    require(type(decay) in (int, float) and 0 <= decay < 1, "header.space.anchor_decay must be a number in [0, 1)")
     _space_class(space.get("kind"))
     require(isinstance(steps, list), "steps must be a list")
     previous = None

@@ -274,6 +274,9 @@ class MergeSpace(SearchSpace):
             refuse("es_optimizer", "Hyper-ES moves θ by CMA-ES, not by a gradient estimate")
         if args.sigma_decay != 1:
             refuse("sigma_decay", "Hyper-ES's CMA-ES adapts its own step size (from merge_sigma)")
+        if args.es_anchor_decay:
+            refuse("es_anchor_decay", "Hyper-ES writes each step's θ as a merge of the starting weights (CMA-ES's "
+                   "best), which would overwrite a pull toward them: use es_anchor_decay=0")  # fmt: skip
         if args.use_vllm:
             refuse("es_search_space", "a merge is written into the trainer's tensors, which vLLM does not read: "
                    "use 'full' or 'copes' with use_vllm, or use_vllm=False")  # fmt: skip

@@ -9,8 +9,8 @@ evosax's ask/tell shape. One ES step of the trainer reads
     metrics, update = space.tell(members, rewards, α_t, center) # the update, and its seed-chain record
 
 As evosax's base strategy, the base class owns what every space shares — the update rule (`UpdateRule`): σ_t, the
-centre baseline, fitness shaping, the step without signal, the optimizer's step — and a space implements the small
-`_ask` (its members) and `_tell` (how shaped fitness moves θ).
+centre baseline, fitness shaping, the step without signal, the optimizer's step, the anchored decay toward the run's
+starting weights — and a space implements the small `_ask` (its members) and `_tell` (how shaped fitness moves θ).
 
 Every search space is registered in `SEARCH_SPACES` under its `name` (the `es_search_space` value and the seed
 chain's `kind`), read by ESConfig (the choices, `check_config`), the trainer (`check_setup`, `from_config`) and seed
@@ -94,24 +94,52 @@ def sigma_schedule(sigma: float, decay: float, limit: float, step: int) -> float
     return max(sigma * decay**step, limit)
 
 
+ANCHOR_WINDOW = 1 << 22
+"""Elements per slice of the anchored decay (`anchor_pull`): its float32 temporaries stay small."""
+
+
+@torch.no_grad()
+def anchor_pull(params: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor], decay: float) -> None:
+    """The anchored decay θ ← θ − λ·(θ − θ₀) over `params`, θ₀ = `anchor`, λ = `decay`: computed in float32 one slice
+    at a time and cast to the parameter's dtype once, the same in training (`SearchSpace.tell`) and in a seed chain's
+    replay, so both are bitwise equal. A pull below the parameter dtype's rounding step (bf16) leaves θ as it is."""
+    for name, p in params.items():
+        flat, start = p.data.view(-1), anchor[name].view(-1)
+        for a in range(0, flat.numel(), ANCHOR_WINDOW):
+            theta = flat[a : a + ANCHOR_WINDOW].float()
+            origin = start[a : a + ANCHOR_WINDOW].to(flat.device, torch.float32)
+            flat[a : a + ANCHOR_WINDOW] = theta - decay * (theta - origin)
+
+
 @dataclass
 class UpdateRule:
     """What every search space's `tell` shares (ESConfig's ES-step fields): the σ schedule (`sigma_schedule`), the
-    fitness shaping of the members' rewards minus the centre's (`es_baseline="center"`), and, with `es_optimizer`,
-    Trainer's optimizer, which steps on the gradient estimate `_tell` writes."""
+    fitness shaping of the members' rewards minus the centre's (`es_baseline="center"`), with `es_optimizer`
+    Trainer's optimizer, which steps on the gradient estimate `_tell` writes, and with `es_anchor_decay` = λ > 0 the
+    anchored decay θ ← θ − λ·(θ − θ₀) after each update (`anchor_pull`), θ₀ (`anchor`) the run's starting weights,
+    held on the host from the run's first step (`hold_anchor`; a resumed run's comes from its checkpoint)."""
 
     sigma: float = 1e-3
     sigma_decay: float = 1.0
     sigma_limit: float = 0.0
     shaping: str = "zscore"
     optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)
+    anchor_decay: float = 0.0
+    anchor: dict[str, torch.Tensor] | None = field(default=None, repr=False)
 
     @classmethod
     def from_config(cls, args) -> UpdateRule:
-        return cls(args.sigma, args.sigma_decay, args.sigma_limit, args.fitness_shaping)
+        return cls(args.sigma, args.sigma_decay, args.sigma_limit, args.fitness_shaping,
+                   anchor_decay=args.es_anchor_decay)  # fmt: skip
 
     def sigma_at(self, step: int) -> float:
         return sigma_schedule(self.sigma, self.sigma_decay, self.sigma_limit, step)
+
+    def hold_anchor(self, params: dict[str, torch.Tensor]) -> None:
+        """θ₀ ← a host copy of the weights `params` hold now, once per run (the weights its seed chain starts from),
+        when the decay is on."""
+        if self.anchor_decay and self.anchor is None:
+            self.anchor = {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
 
 
 class SearchSpace:
@@ -176,9 +204,10 @@ class SearchSpace:
     ) -> tuple[dict, dict | None]:
         """The update rule: the members' `rewards` (NaN: none) minus the centre's reward `center` (when there is
         one, and it is a number) are shaped into fitness z; rewards without spread carry no signal, so θ is
-        restored and the step records no update (None); otherwise `_tell` moves θ (or writes ĝ) and the optimizer,
-        if any, steps. Returns the step's metrics (`es/skipped_update` among them) and the update's seed-chain
-        record (`trl_es.chains.StepRecord["update"]`, "learning_rates" added when an optimizer applied it)."""
+        restored and the step records no update (None); otherwise `_tell` moves θ (or writes ĝ), the optimizer, if
+        any, steps, and the anchored decay, if on, pulls θ toward θ₀ (`anchor_pull`). Returns the step's metrics
+        (`es/skipped_update` among them) and the update's seed-chain record (`trl_es.chains.StepRecord["update"]`,
+        "learning_rates" added when an optimizer applied it)."""
         baseline = center if center is not None and not math.isnan(center) else 0.0
         fitness = shape_fitness(rewards - baseline, self.rule.shaping)
         if fitness is None:
@@ -189,6 +218,8 @@ class SearchSpace:
             rates = [group["lr"] for group in self.rule.optimizer.param_groups]
             step_optimizer(self.rule.optimizer, self.weights.params, rates)
             record = {**record, "learning_rates": rates}
+        if self.rule.anchor_decay:
+            anchor_pull(self.weights.params, self.rule.anchor, self.rule.anchor_decay)
         return {**metrics, "es/skipped_update": 0.0}, record
 
     def _tell(

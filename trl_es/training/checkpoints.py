@@ -7,7 +7,10 @@ TRL's model card (plus the sparse delta's statistics with `sparse_delta_tau`).
 
 Every checkpoint and saved model carries the run's seed chain, `es_chain.json` (`trl_es.chains`): the updates of
 every step, from which the weights can be rebuilt from the starting model; a resumed run continues its checkpoint's
-chain. `push_to_hub(chain_only=True)` publishes just the chain and a model card saying how to replay it.
+chain. With the anchored decay (`es_anchor_decay`), a checkpoint also keeps θ₀, the weights the run (and its chain)
+started from, over the ES parameters (`ANCHOR_FILE`): a resumed run pulls toward exactly them, checked against the
+chain's base SHA-256 (one extra copy of the ES parameters per checkpoint on disk, and in host memory during the
+run). `push_to_hub(chain_only=True)` publishes just the chain and a model card saying how to replay it.
 
 Every save is atomic (`trl_es.util.atomic`): a checkpoint is written whole into `<output_dir>/.staging/checkpoint-K`,
 flushed to disk and renamed to `checkpoint-K`, and only then are older checkpoints rotated away, so a crash at any
@@ -29,6 +32,7 @@ from trl.trainer.utils import get_config_model_id
 from ..chains import FILE as CHAIN_FILE
 from ..chains import Chain
 from ..chains.recorder import ChainRecorder
+from ..es.weights import weights_hash
 from ..research import sparse
 from ..util.atomic import atomic_directory, atomic_write_text, publish_directory
 from .config import marked
@@ -41,6 +45,34 @@ STAGING = ".staging"
 
 LOCK = ".trl-es.lock"
 """The file of `output_dir` a training run holds an exclusive lock on (`SavingMixin.lock_output_dir`)."""
+
+
+ANCHOR_FILE = "es_anchor.safetensors"
+"""The file of a checkpoint holding θ₀ of the anchored decay (`es_anchor_decay`): the ES parameters' starting
+weights."""
+
+
+def load_anchor(checkpoint: str, params: dict) -> dict:
+    """θ₀ from `checkpoint`'s `ANCHOR_FILE`, holding each of `params` (the ES parameters) with its shape and dtype."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = os.path.join(checkpoint, ANCHOR_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} is missing: the anchored decay (es_anchor_decay) pulls toward the run's starting weights, which "
+            "its checkpoints keep there. Resume from a complete checkpoint of this run"
+        )
+    try:
+        anchor = load_file(path)
+    except (OSError, SafetensorError) as error:
+        raise ValueError(f"{path} is not a readable safetensors file of the starting weights: {error}") from error
+    wrong = sorted(set(anchor) ^ set(params)) or [
+        name for name, p in params.items() if (anchor[name].shape, anchor[name].dtype) != (p.shape, p.dtype)
+    ]
+    if wrong:
+        raise ValueError(f"{path} does not hold this run's ES parameters ({wrong[0]!r} differs)")
+    return anchor
 
 
 class SavingMixin:
@@ -87,8 +119,21 @@ class SavingMixin:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             self.processes.write_shards(self.model.parameters())
             self.chain_recorder.resume(resume_from_checkpoint)
+            if self.space.rule.anchor_decay:
+                self._load_anchor(resume_from_checkpoint)
         self.weights.loaded(resume_from_checkpoint)
         self.space.load_state(resume_from_checkpoint)
+
+    def _load_anchor(self, checkpoint: str) -> None:
+        """θ₀ of the anchored decay from `checkpoint`, checked to be the weights its seed chain starts from: with the
+        model's other parameters, which ES never moves, it hashes to the chain's base SHA-256."""
+        anchor = load_anchor(checkpoint, self.es_params)
+        if weights_hash({**dict(self.model.named_parameters()), **anchor}) != self.chain.header["base"]["sha256"]:
+            raise ValueError(
+                f"{checkpoint}: {ANCHOR_FILE} is not the weights this run started from (its {CHAIN_FILE} names "
+                "another base): resume from a checkpoint of one run, whose files belong together"
+            )
+        self.space.rule.anchor = anchor
 
     _staging_checkpoint = False
 
@@ -127,6 +172,10 @@ class SavingMixin:
             tip = self.chain_recorder.tip(staging)
         if self.args.should_save:
             self.space.save_state(staging)
+            if self.space.rule.anchor is not None:
+                from safetensors.torch import save_file
+
+                save_file(self.space.rule.anchor, os.path.join(staging, ANCHOR_FILE))
             self.chain_recorder.save(staging, tip)
         self.accelerator.wait_for_everyone()  # every process's files (e.g. its RNG state) are in
         if self.args.should_save:

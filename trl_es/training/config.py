@@ -143,6 +143,18 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             "help": "λ of the decoupled weight decay θ ← θ − α·λ·θ in each update (with es_optimizer, the optimizer's own).",
         },
     )
+    es_anchor_decay: float = field(
+        default=0.0,
+        metadata={
+            "group": STEP,
+            "chain": True,
+            "card": True,
+            "help": "λ of the anchored decay θ ← θ − λ·(θ − θ₀) after each update, θ₀ the run's starting weights (an "
+            "adapter run's: the adapter's): a pull back toward the start, where weight_decay pulls toward 0. 0: "
+            "none. Checkpoints keep θ₀ (es_anchor.safetensors, one copy of the ES parameters); seed chains replay it "
+            "from their base. Not with use_vllm, nor es_search_space='merge'.",
+        },
+    )
     seed: int = field(
         default=42,
         metadata={
@@ -646,6 +658,8 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             )
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             refuse("weight_decay", "must be a finite number ≥ 0")
+        if not (isinstance(self.es_anchor_decay, (int, float)) and 0 <= self.es_anchor_decay < 1):
+            refuse("es_anchor_decay", "θ ← θ − λ·(θ − θ₀) needs 0 ≤ λ < 1 (1 would return to θ₀ after every update)")
         if self.multi_objective_aggregation not in AGGREGATIONS:
             refuse("multi_objective_aggregation", f"choose one of {AGGREGATIONS}")
         plain_update = self.es_search_space != "merge" and not self.es_optimizer
@@ -679,6 +693,9 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         if self.es_optimizer:
             refuse("es_optimizer", "vLLM rebuilds each update from seeds, and an optimizer's update is not one: "
                    "use_vllm=False with es_optimizer")  # fmt: skip
+        if self.es_anchor_decay:
+            refuse("es_anchor_decay", "vLLM rebuilds each update from seeds, and the pull toward θ₀ is not one: "
+                   "use_vllm=False with es_anchor_decay")  # fmt: skip
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
             refuse("vllm_gpu_memory_utilization", "a share of GPU memory in (0, 1]")
 

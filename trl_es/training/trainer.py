@@ -297,6 +297,7 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         with self._full_parameters():
             self.weights.start()
             self.chain_recorder.start(self.model, self.optimizer)  # a new run's chain, from the weights held now
+            self.space.rule.hold_anchor(self.es_params)  # θ₀ of the anchored decay: the chain's base
             if self._distance is None:
                 self._distance = DistanceFromStart(self.es_params)
             members = self.space.ask(step)
