@@ -1,12 +1,15 @@
 """Learning curves on the demo task: ES against TRL's GRPOTrainer, interleaved in one run, against time and work.
 
     python benchmarks/learning.py [--minutes 10] [--marks 5] [--seeds 0,1,2] [--methods grpo,es] [--out D]
+    python benchmarks/learning.py --task small_sums_last --samples 32 --temperature 0.6   # the research's protocol
 
 Every run starts from SmolLM2-135M-Instruct and trains on small sums (`first_integer_reward`, 12 new tokens) for
 `--minutes` of wall clock. At `--marks` evenly spaced points of that budget the weights are saved (the saving time
 is not counted: the clock pauses) with the wall-clock seconds, the steps and the completions generated so far. After
 the run, outside its budget, each saved point is scored on the 64 held-out problems: greedy accuracy (the demo's
-check) and sampled (T=1) Pass@1 and Pass@8 with 8 completions per problem (`trl-es eval`'s loop and estimator).
+check) and sampled (T=1) Pass@1 and Pass@8 with 8 completions per problem (`trl-es eval`'s loop and estimator);
+`--task`, `--samples` and `--temperature` change the task (trained and scored) and the sampled scoring, which then
+also reports Maj@n and the completions' token entropy.
 
 Methods are interleaved per seed, A B for even seed indices and B A for odd ones (A B B A …), each run in a fresh
 process, so slow drifts of the machine fall on both. `es` is the demo's setting (N=8, σ=α=5e-3, 8 prompts, greedy
@@ -63,6 +66,11 @@ SEQUENCES = {"grpo-es": ("grpo", "es"), "es-grpo": ("es", "grpo")}
 """Two methods in sequence, each for half the budget (the research's GRPO → ES and ES → GRPO)."""
 
 
+TASK = {"name": "small_sums", "samples": 8, "temperature": 1.0}
+"""The task trained and scored, and the sampled scoring's completions per problem and temperature (`--task`,
+`--samples`, `--temperature`; the research's protocol: `--task small_sums_last --samples 32 --temperature 0.6`)."""
+
+
 def train(method: str, seed: int, minutes: float, marks: int, folder: str) -> list[dict]:
     """One budgeted run in this process; the saved points. A sequence ("grpo-es", "es-grpo") trains its first
     method for half the budget (half the marks) and its second from the first's end for the rest; its points count
@@ -82,8 +90,10 @@ def train(method: str, seed: int, minutes: float, marks: int, folder: str) -> li
 def stage(method: str, seed: int, minutes: float, marks: int, folder: str, model: str | None = None) -> list[dict]:
     """`method` trained from `model` (default SmolLM2-135M-Instruct) for `minutes`; its `marks` saved points."""
     from trl_es.commands.study import GRPO_SETTINGS, Budget
-    from trl_es.tasks import first_integer_reward, small_sums
+    from trl_es.tasks import get_task
     from trl_es.util.models import smollm2_dir
+
+    task = get_task(TASK["name"])
 
     model = model or smollm2_dir()
     common = dict(output_dir=os.path.join(folder, "run"), max_steps=100_000, max_completion_length=12, seed=seed,
@@ -94,14 +104,14 @@ def stage(method: str, seed: int, minutes: float, marks: int, folder: str, model
 
         args = GRPOConfig(**common, **GRPO_SETTINGS)
         per_step = args.per_device_train_batch_size  # completions per step
-        trainer = GRPOTrainer(model, first_integer_reward, args=args, train_dataset=small_sums("train"),
+        trainer = GRPOTrainer(model, task.reward, args=args, train_dataset=task.load("train"),
                               callbacks=[budget])  # fmt: skip
     else:
         from trl_es import ESConfig, ESTrainer
 
         args = ESConfig(**{**common, "generation_kwargs": {"do_sample": False}, **ES, **SETTINGS[method]})
         per_step = args.population_size * args.per_device_train_batch_size * args.num_generations
-        trainer = ESTrainer(model, first_integer_reward, args=args, train_dataset=small_sums("train"),
+        trainer = ESTrainer(model, task.reward, args=args, train_dataset=task.load("train"),
                             callbacks=[budget])  # fmt: skip
     budget.tokenizer = trainer.processing_class
     trainer.train()
@@ -113,17 +123,19 @@ def stage(method: str, seed: int, minutes: float, marks: int, folder: str, model
 
 
 def score(points: list[dict]) -> list[dict]:
-    """Greedy held-out accuracy and sampled Pass@1 / Pass@8 of each saved point (then its weights are removed)."""
+    """Greedy held-out accuracy and sampled Pass@1 / Pass@n (Maj@n, token entropy) of each saved point, n =
+    `TASK["samples"]` (then its weights are removed)."""
     from trl_es.evaluation import evaluate
 
     for point in points:
         stage_dir = os.path.dirname(point["path"])  # a sequence's stages each have a mark-1: records kept apart
-        greedy = evaluate([point["path"]], "small_sums", n=1, k=[1], out_dir=os.path.join(stage_dir, "greedy"),
+        n, name = TASK["samples"], TASK["name"]
+        greedy = evaluate([point["path"]], name, n=1, k=[1], out_dir=os.path.join(stage_dir, "greedy"),
                           greedy=True, batch_size=64, progress=lambda message: None)  # fmt: skip
-        sampled = evaluate([point["path"]], "small_sums", n=8, k=[1, 8], out_dir=os.path.join(stage_dir, "sampled"),
-                           progress=lambda message: None)  # fmt: skip
+        sampled = evaluate([point["path"]], name, n=n, k=[1, n], out_dir=os.path.join(stage_dir, "sampled"),
+                           temperature=TASK["temperature"], progress=lambda message: None)  # fmt: skip
         (g,), (s,) = greedy["models"].values(), sampled["models"].values()
-        point.update(greedy=g["pass@1"], **{"pass@1": s["pass@1"], "pass@8": s["pass@8"]})
+        point.update(greedy=g["pass@1"], entropy=s["mean_token_entropy"], **{key: s[key] for key in s if "@" in key})
         shutil.rmtree(point.pop("path"))
     return points
 
@@ -137,7 +149,7 @@ def plot(results: list[dict], path: str) -> None:
     for method in dict.fromkeys(r["method"] for r in results):
         runs = [r["points"] for r in results if r["method"] == method]
         n = min(len(points) for points in runs)
-        for row, metric in enumerate(("greedy", "pass@8")):
+        for row, metric in enumerate(("greedy", f"pass@{TASK['samples']}")):
             for col, x_name in enumerate(("seconds", "completions")):
                 xs = [sum(points[k][x_name] for points in runs) / len(runs) for k in range(n)]
                 values = [[points[k][metric] for points in runs] for k in range(n)]
@@ -146,9 +158,9 @@ def plot(results: list[dict], path: str) -> None:
                 axes[row][col].fill_between(xs, [min(v) for v in values], [max(v) for v in values],
                                             color=line.get_color(), alpha=0.2)  # fmt: skip
                 axes[row][col].set_xlabel("wall-clock seconds" if x_name == "seconds" else "completions generated")
-                axes[row][col].set_ylabel("held-out greedy accuracy" if metric == "greedy" else "held-out Pass@8")
+                axes[row][col].set_ylabel("held-out greedy accuracy" if metric == "greedy" else f"held-out {metric}")
     axes[0][0].legend()
-    figure.suptitle("small sums, SmolLM2-135M-Instruct: mean over seeds, band = min–max")
+    figure.suptitle(f"{TASK['name']}, SmolLM2-135M-Instruct: mean over seeds, band = min–max")
     figure.tight_layout()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     figure.savefig(path, dpi=110)
@@ -165,12 +177,24 @@ def main() -> None:
         help=f"comma-separated, of grpo, {', '.join([*SETTINGS, *SEQUENCES])} (default grpo,es; with "
         "--report: only these methods of the files)",
     )
+    parser.add_argument("--task", default=TASK["name"], help="a built-in task (trained and scored)")
+    parser.add_argument("--samples", type=int, default=TASK["samples"], help="sampled completions per problem")
+    parser.add_argument("--temperature", type=float, default=TASK["temperature"], help="of the sampled scoring")
     parser.add_argument("--out", default="outputs/learning")
     parser.add_argument("--plot", default="docs/img/learning_curves.png")
     parser.add_argument("--report", nargs="+", metavar="RESULTS", help="only print the table and plot of "
                         "results.json files (several: runs of different seeds, pooled)")  # fmt: skip
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "SEED"), help=argparse.SUPPRESS)
     options = parser.parse_args()
+    TASK.update(name=options.task, samples=options.samples, temperature=options.temperature)
+    task_options = [
+        "--task",
+        options.task,
+        "--samples",
+        str(options.samples),
+        "--temperature",
+        str(options.temperature),
+    ]
     if options.report:
         results = [run for path in options.report for run in json.load(open(path))["results"]]
         methods = options.methods.split(",") if options.methods else list(dict.fromkeys(r["method"] for r in results))
@@ -192,31 +216,37 @@ def main() -> None:
     for index, seed in enumerate(seeds):
         for method in methods if index % 2 == 0 else methods[::-1]:  # A B, then B A: A B B A …
             command = [sys.executable, __file__, "--one", method, str(seed), "--minutes", str(options.minutes),
-                       "--marks", str(options.marks), "--out", options.out]  # fmt: skip
+                       "--marks", str(options.marks), "--out", options.out, *task_options]  # fmt: skip
             done = subprocess.run(command, capture_output=True, text=True)
             line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if done.returncode or line is None:
                 sys.exit(f"{method} seed {seed} failed:\n{done.stderr[-3000:]}")
             results.append({"method": method, "seed": seed, "points": json.loads(line.removeprefix("RESULT "))})
             last = results[-1]["points"][-1]
-            print(f"{method} seed {seed}: greedy {last['greedy']:.3f}, Pass@8 {last['pass@8']:.3f} after "
+            top = f"pass@{options.samples}"
+            print(f"{method} seed {seed}: greedy {last['greedy']:.3f}, {top} {last[top]:.3f} after "
                   f"{last['step']} steps, {last['seconds']:.0f} s", flush=True)  # fmt: skip
             with open(os.path.join(options.out, "results.json"), "w") as file:  # after every run: nothing is lost
-                json.dump({"minutes": options.minutes, "marks": options.marks, "results": results}, file, indent=1)
+                json.dump({"minutes": options.minutes, "marks": options.marks, "task": dict(TASK), "results": results},
+                          file, indent=1)  # fmt: skip
     report(results, methods, options.plot)
 
 
 def report(results: list[dict], methods: list[str], plot_path: str) -> None:
     """The plot and, per method and mark, the mean and min–max over the seeds."""
     plot(results, plot_path)
-    print("\n| method | mark | seconds | completions | greedy (min–max) | Pass@1 | Pass@8 (min–max) |")
-    print("|---|---:|---:|---:|---|---:|---|")
+    n = TASK["samples"]
+    maj = f"maj@{n}" if all(f"maj@{n}" in r["points"][0] for r in results) else None
+    print(f"\n| method | mark | seconds | completions | greedy (min–max) | Pass@1 | Pass@{n} (min–max) |"
+          + (f" Maj@{n} | entropy |" if maj else ""))  # fmt: skip
+    print("|---|---:|---:|---:|---|---:|---|" + ("---:|---:|" if maj else ""))
     for method in methods:
         runs = [r["points"] for r in results if r["method"] == method]
         for k in range(min(len(points) for points in runs)):
             at = [points[k] for points in runs]
             print(f"| {method} | {k + 1} | {mean(at, 'seconds'):.0f} | {mean(at, 'completions'):.0f} | "
-                  f"{span(at, 'greedy')} | {mean(at, 'pass@1'):.3f} | {span(at, 'pass@8')} |")  # fmt: skip
+                  f"{span(at, 'greedy')} | {mean(at, 'pass@1'):.3f} | {span(at, f'pass@{n}')} |"
+                  + (f" {mean(at, maj):.3f} | {mean(at, 'entropy'):.3f} |" if maj else ""))  # fmt: skip
 
 
 def mean(points: list[dict], key: str) -> float:
