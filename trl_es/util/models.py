@@ -14,9 +14,11 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from trl.trainer.utils import create_model_from_path, get_config_model_id
 
@@ -46,21 +48,29 @@ def smollm2_gguf() -> Path:
     return path
 
 
-def _save_atomically(target: Path, save) -> None:
-    """`save(folder)` into a temporary sibling, then rename: a killed conversion leaves no half-written cache."""
-    partial = target.with_name(target.name + ".partial")
-    save(partial)
-    partial.rename(target)
+def _cached(target: Path, complete: str, save) -> str:
+    """`target`, made by `save(folder)` once: under a file lock (so concurrent processes, such as pytest-xdist's
+    workers, convert once and never see a half-made cache), into a temporary sibling renamed into place (so a killed
+    conversion leaves none). `complete` is the file whose presence means the cache is made."""
+    if not (target / complete).is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(target) + ".lock"):
+            if not (target / complete).is_file():
+                partial = target.with_name(target.name + ".partial")
+                shutil.rmtree(partial, ignore_errors=True)  # a killed conversion's leftovers
+                save(partial)
+                partial.rename(target)
+    return str(target)
 
 
 def smollm2_tokenizer_dir() -> str:
     """A cached directory with SmolLM2's tokenizer and chat template, read from the GGUF file (no weights)."""
-    target = cache_root() / "SmolLM2-tokenizer"
-    if not (target / "tokenizer_config.json").is_file():
+
+    def save(folder):
         gguf = smollm2_gguf()
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        _save_atomically(target, tokenizer.save_pretrained)
-    return str(target)
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+
+    return _cached(cache_root() / "SmolLM2-tokenizer", "tokenizer_config.json", save)
 
 
 SMOLLM2 = "smollm2"
@@ -88,26 +98,21 @@ def resolve_model(name: str) -> str:
 
 def smollm2_dir() -> str:
     """A cached HF directory of SmolLM2-135M-Instruct in float32, converted from the GGUF file on first use."""
-    target = cache_root() / "SmolLM2-135M-Instruct"
-    if (target / "model.safetensors").is_file():
-        return str(target)
-    from transformers import AutoModelForCausalLM
-
-    gguf = smollm2_gguf()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The weights are plain float32 after de-quantization; drop the GGUF quantizer so that saving is allowed.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
 
     def save(folder):
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
+        from transformers import AutoModelForCausalLM
 
-    _save_atomically(target, save)
-    return str(target)
+        gguf = smollm2_gguf()
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are plain float32 after de-quantization; drop the GGUF quantizer so that saving is allowed.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+        model.save_pretrained(folder)
+        AutoTokenizer.from_pretrained(smollm2_tokenizer_dir()).save_pretrained(folder)
+
+    return _cached(cache_root() / "SmolLM2-135M-Instruct", "model.safetensors", save)
 
 
 WEIGHT_FILES = (
