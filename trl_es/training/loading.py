@@ -221,7 +221,7 @@ def check_args(args, model) -> ESConfig:
 
 def training_dataset(dataset, args, environment_factory):
     """The training dataset, checked as GRPOTrainer checks it. An environment may own the data: without a dataset,
-    `per_device_train_batch_size` rows of an empty user prompt (which each episode's `reset` fills) drive the run,
+    one step's prompts of an empty user prompt (which each episode's `reset` fills) drive the run,
     and `max_steps` sets its length; with one, the `prompt` column is optional (an empty user prompt) and the dataset
     must have a row. An iterable dataset is read with `dataloader_num_workers=0`, as GRPOTrainer reads it (each
     worker would read the whole stream)."""
@@ -250,7 +250,8 @@ def training_dataset(dataset, args, environment_factory):
                 "`reset()`), `max_steps` must be set to a positive value to define the training length. Set it via "
                 "`ESConfig(max_steps=...)`."
             )
-        return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * args.per_device_train_batch_size})
+        rows = args.per_device_train_batch_size * args.gradient_accumulation_steps  # one ES step's prompts
+        return Dataset.from_dict({"prompt": [[{"role": "user", "content": ""}]] * rows})
     columns = getattr(dataset, "column_names", None) or []
     if "prompt" in columns:
         check_prompt_dataset(dataset)
