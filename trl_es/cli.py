@@ -19,6 +19,9 @@ trl-es eval --model M [--model M2 ...] (--task gsm8k,math500 | --suite easy|math
 trl-es study --task small_sums --budget-minutes 20 [--methods es,grpo,grpo-es,es-grpo] [--out D]
                                      # ES vs GRPO at the same wall-clock budget: Pass@K, Maj@K, entropy,
                                      # update size and sparsity, KL drift; a table, results.json, plots; resumes
+trl-es diagnose --model M --task T [--sigma 1e-3,3e-3,1e-2] [--directions 16] [--out DIR]
+                                     # κ = Var(X+ − X0)/Var(X+) and Var(X+ − X−)/Var(X+) per objective, coupling
+                                     # and σ: do a centre baseline, antithetic pairs, common seeds help?
 trl-es replay --chain es_chain.json --base M --out DIR [--steps K]
                                      # the trained model rebuilt bitwise from the starting model and the seed chain
 trl-es vllm-serve --model M [--host 127.0.0.1] [--port 8000] [vllm serve flags ...]
@@ -40,12 +43,13 @@ COMMANDS = {
     "eval": ("eval", "main"),
     "study": ("study", "main"),
     "replay": ("replay", "main"),
+    "diagnose": ("diagnose", "main"),
     "sparsity-sweep": ("sweep", "main"),
     "vllm-serve": ("vllm_serve", "main"),
 }
 """Each subcommand: its module in `trl_es.commands` and the function that takes its arguments."""
 
-ONE_LINE_ERRORS = ("sparsify", "apply-delta", "eval", "study", "replay")
+ONE_LINE_ERRORS = ("sparsify", "apply-delta", "eval", "study", "replay", "diagnose")
 """Subcommands whose bad input (ValueError, FileNotFoundError) is one line on stderr and exit status 1."""
 
 

@@ -275,6 +275,9 @@ class LowRankSpace(SearchSpace):
                 yield route
             return
         perturbed = [m for m in members if m is not None]
+        if not perturbed:  # the centre alone (e.g. lowrank_members_per_call=1 with es_baseline="center"): θ itself
+            yield lambda rows: None
+            return
         positions, k = [], 0
         for m in members:  # index into `members` → index into the perturbed ones (−1: the centre)
             positions.append(-1 if m is None else k)

@@ -109,3 +109,25 @@ def merge_seed(seed: int, name: str) -> int:
 def merge_search_seed(seed: int) -> int:
     """The seed of CMA-ES's sampler in Hyper-ES."""
     return derive_seed("es-merge-search", seed)
+
+
+def diagnose_direction_seed(seed: int, direction: int) -> int:
+    """The noise seed of direction ε_d (d = `direction`) of `trl-es diagnose` (`trl_es.research.diagnose`)."""
+    return derive_seed("es-diagnose-direction", seed, direction)
+
+
+def diagnose_batch_seed(seed: int, round_: int) -> int:
+    """The seed of the `round_`-th permutation of the dataset's rows that `trl-es diagnose` cuts the directions'
+    prompt batches from."""
+    return derive_seed("es-diagnose-batch", seed, round_)
+
+
+def diagnose_sampling_seed(seed: int, direction: int, key: str) -> int:
+    """The sampling seed of direction d's rollouts in `trl-es diagnose`: `key` "common" (θ's, and with common
+    coupling θ ± σε_d's too), "plus" or "minus" (θ + σε_d's and θ − σε_d's own, with independent coupling)."""
+    return derive_seed("es-diagnose-sampling", seed, direction, key)
+
+
+def bootstrap_seed(seed: int) -> int:
+    """The seed of `trl-es diagnose`'s bootstrap resampling of the directions."""
+    return derive_seed("es-diagnose-bootstrap", seed)
