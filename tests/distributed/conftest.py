@@ -1,5 +1,5 @@
 """The distributed tests' shared runs: the 1-process reference and ONE 2-process launch of the harness
-(`multiprocess_es.py`) that runs every regression-guard scenario, the user script's logged run and, last, a run
+(`multiprocess_es.py`) that runs every regression-guard scenario, the user script's runs (logged; an adapter on an 8-bit base) and, last, a run
 whose reward raises on process 1. Several test modules assert on what these runs wrote."""
 
 import os
@@ -26,23 +26,32 @@ def model_dir(tmp_path_factory, tokenizer_dir) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("mp") / "model", tokenizer_dir)
 
 
+def user_runs(guard_models: Path, model_dir: str) -> list[dict]:
+    """The user script's runs of both launches: the logged run, and a LoRA adapter on the guard's model loaded in 8
+    bits (its linears are wide enough for bitsandbytes)."""
+    return [
+        {"name": "logged", "model": model_dir},
+        {"name": "qlora", "model": str(guard_models / "model"), "quantized": True},
+    ]
+
+
 @pytest.fixture(scope="session")
 def one_process(guard_models, model_dir, tmp_path_factory) -> Path:
-    """The reference, in this process: every guard scenario (OUT/hashes-rank0.json) and the logged run."""
+    """The reference, in this process: every guard scenario (OUT/hashes-rank0.json) and the user script's runs."""
     out = tmp_path_factory.mktemp("one-process")
     os.environ.pop("RANK", None)
-    assert multiprocess_es.main(str(out), [*guard_runs(guard_models), {"name": "logged", "model": model_dir}])
+    assert multiprocess_es.main(str(out), [*guard_runs(guard_models), *user_runs(guard_models, model_dir)])
     return out
 
 
 @pytest.fixture(scope="session")
 def two_processes(guard_models, model_dir, tmp_path_factory) -> Path:
-    """One launch with 2 processes (the shipped examples/accelerate/cpu_two_processes.yaml): every guard scenario, the logged run, and last the run whose reward raises on
+    """One launch with 2 processes (the shipped examples/accelerate/cpu_two_processes.yaml): every guard scenario, the user script's runs, and last the run whose reward raises on
     process 1 (which ends the launch)."""
     out = tmp_path_factory.mktemp("two-processes")
     runs = [
         *guard_runs(guard_models),
-        {"name": "logged", "model": model_dir},
+        *user_runs(guard_models, model_dir),
         {"name": "raise", "model": model_dir, "fault": "raise"},
     ]
     shipped = ("--config_file", str(REPOSITORY / "examples" / "accelerate" / "cpu_two_processes.yaml"))

@@ -8,7 +8,8 @@ OUT_DIR/hashes-rank{r}.json) or a user script calling ESTrainer (`train`): the t
 with `upper_vocab_share` (greedy), writing OUT_DIR/<name>/ — the model (main process), `weights-rank{r}.pt` (every
 parameter) and `result-rank{r}.json` (log history, or the error and whether θ was restored). A run's `fault` makes
 process 1 misbehave at step 1: `raise` (its reward function raises), `hang` (it sleeps past `ddp_timeout`), `kill`
-(it kills itself with SIGKILL). A failing run must come last: the processes leave after it.
+(it kills itself with SIGKILL). A run with `"quantized": true` trains a LoRA adapter on the model loaded in 8 bits
+by bitsandbytes (QLoRA). A failing run must come last: the processes leave after it.
 """
 
 import contextlib
@@ -52,7 +53,16 @@ class StepStartWeights(TrainerCallback):
         self.weights = {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train(model_dir: str, out_dir: str, overrides: dict, fault: str | None = None) -> dict:
+def quantized_adapter() -> dict:
+    """ESTrainer's arguments for a LoRA adapter on an 8-bit base (bitsandbytes, CPU)."""
+    from peft import LoraConfig
+    from transformers import BitsAndBytesConfig
+
+    adapter = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM")
+    return {"quantization_config": BitsAndBytesConfig(load_in_8bit=True), "peft_config": adapter}
+
+
+def train(model_dir: str, out_dir: str, overrides: dict, fault: str | None = None, quantized=False) -> dict:
     """The user script's run into `out_dir`; its result (also written there, per process)."""
     FAULT["fault"] = fault
     prompts = [f"Count to {n}:" for n in range(1, 9)]
@@ -85,7 +95,13 @@ def train(model_dir: str, out_dir: str, overrides: dict, fault: str | None = Non
     args = ESConfig(**{**values, **overrides})
     watcher = StepStartWeights()
     trainer = ESTrainer(
-        model_dir, upper_vocab_share, args=args, train_dataset=dataset, eval_dataset=dataset, callbacks=[watcher]
+        model_dir,
+        upper_vocab_share,
+        args=args,
+        train_dataset=dataset,
+        eval_dataset=dataset,
+        callbacks=[watcher],
+        **(quantized_adapter() if quantized else {}),
     )
     rank = trainer.accelerator.process_index
     result = {"num_processes": trainer.accelerator.num_processes}
@@ -145,7 +161,8 @@ def main(out_dir: str, runs: list[dict]) -> bool:
         else:
             folder = out / run["name"]
             folder.mkdir(parents=True, exist_ok=True)
-            ok = "error" not in train(run["model"], str(folder), dict(run.get("overrides", {})), run.get("fault"))
+            overrides, fault, quantized = dict(run.get("overrides", {})), run.get("fault"), run.get("quantized", False)
+            ok = "error" not in train(run["model"], str(folder), overrides, fault, quantized)
         gc.collect()  # a finished trainer's vLLM engine shuts down here, not inside the next run
         world = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
         assert world is group, f"after {run}: the process group accelerate made was destroyed"

@@ -113,6 +113,20 @@ def test_two_processes_give_the_one_process_weights_and_logged_rewards(model_dir
     assert_equal_weights(dict(replayed.named_parameters()), expected)
 
 
+def test_two_processes_give_the_one_process_adapter_on_an_8bit_base(one_process, two_processes):
+    """QLoRA with ES: every process ends with the 1-process run's weights — the adapter it trained and the int8 base
+    it never changed."""
+    expected = rank_weights(one_process / "qlora", 0)
+    assert results(two_processes / "qlora")[0]["num_processes"] == 2
+    adapter = [name for name in expected if "lora_" in name]
+    int8 = [name for name, p in expected.items() if p.dtype == torch.int8]
+    assert adapter and int8
+    for rank in (0, 1):
+        assert_equal_weights(rank_weights(two_processes / "qlora", rank), expected)
+    rewards = [e["reward"] for e in results(one_process / "qlora")[0]["log_history"] if "reward" in e]
+    assert len(rewards) == 3 and len(set(rewards)) > 1  # members differ: the adapter is perturbed and moves
+
+
 def write_recipe(folder: Path, model_dir: str) -> None:
     """The reference run's settings as a `trl-es es` recipe, with the prompts as a local JSONL file."""
     (folder / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"Count to {n}:"}) for n in range(1, 9)))

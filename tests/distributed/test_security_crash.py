@@ -25,7 +25,6 @@ KILL_POINTS = {
 RANDOM_KILLS = {"full": 1, "merge": 0}  # at seeded random times within the run
 
 
-
 @pytest.mark.parametrize("scenario", ["full", "merge"])
 def test_killed_runs_resume_to_the_uninterrupted_weights(guard_models, tmp_path, scenario):
     rng = random.Random(f"crash-{scenario}")

@@ -3,7 +3,7 @@ change, a failed step puts the adapter back bitwise, a resumed run and the seed 
 quantized, as its header records) end on the trained adapter bitwise — for a new adapter (`peft_config`) and for an
 adapter continued with `es_adapter_only`; `lowrank` perturbs the adapter's linears over a 4-bit base. Full ES on
 quantized weights is refused with the reason, from Python and from `trl-es es` recipes (`load_in_8bit` without
-`use_peft`). 1 vs 2 processes: not here (docs/quantization.md says what that check runs)."""
+`use_peft`). 1 vs 2 processes: tests/distributed/test_multiprocess.py."""
 
 import pytest
 import torch

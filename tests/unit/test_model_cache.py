@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from trl_es.util.models import _cached
+from trl_es.util.models import cached_dir
 
 
 def _make_cache(target, log):
@@ -17,7 +17,7 @@ def _make_cache(target, log):
         time.sleep(0.5)  # long enough that the other process asks while this one converts
         (folder / "done.json").write_text("{}")
 
-    return _cached(target, "done.json", save)
+    return cached_dir(target, "done.json", save)
 
 
 def test_concurrent_processes_convert_once_and_both_get_the_cache(tmp_path):
@@ -42,7 +42,7 @@ def test_a_killed_conversion_is_redone(tmp_path):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        _cached(target, "done.json", crash)
+        cached_dir(target, "done.json", crash)
     assert not target.exists()
     assert _make_cache(target, log) == str(target)
     assert not (target / "half.bin").exists() and (target / "done.json").is_file()

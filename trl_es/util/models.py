@@ -48,7 +48,7 @@ def smollm2_gguf() -> Path:
     return path
 
 
-def _cached(target: Path, complete: str, save) -> str:
+def cached_dir(target: Path, complete: str, save) -> str:
     """`target`, made by `save(folder)` once: under a file lock (so concurrent processes, such as pytest-xdist's
     workers, convert once and never see a half-made cache), into a temporary sibling renamed into place (so a killed
     conversion leaves none). `complete` is the file whose presence means the cache is made."""
@@ -70,7 +70,7 @@ def smollm2_tokenizer_dir() -> str:
         gguf = smollm2_gguf()
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
 
-    return _cached(cache_root() / "SmolLM2-tokenizer", "tokenizer_config.json", save)
+    return cached_dir(cache_root() / "SmolLM2-tokenizer", "tokenizer_config.json", save)
 
 
 SMOLLM2 = "smollm2"
@@ -112,7 +112,7 @@ def smollm2_dir() -> str:
         model.save_pretrained(folder)
         AutoTokenizer.from_pretrained(smollm2_tokenizer_dir()).save_pretrained(folder)
 
-    return _cached(cache_root() / "SmolLM2-135M-Instruct", "model.safetensors", save)
+    return cached_dir(cache_root() / "SmolLM2-135M-Instruct", "model.safetensors", save)
 
 
 WEIGHT_FILES = (
