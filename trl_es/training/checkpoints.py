@@ -78,6 +78,19 @@ def load_anchor(checkpoint: str, params: dict) -> dict:
 class SavingMixin:
     """Checkpoints, `save_model` and the model card of `ESTrainer` (see the module docstring)."""
 
+    # TRL's model card: its tags, the method's name and paper
+    _tag_names = ["trl", "trl-es", "evolution-strategies"]
+    _name = "ES"
+    _paper = {
+        "title": "Evolution Strategies at Scale: LLM Fine-Tuning Beyond Reinforcement Learning",
+        "id": "2509.24372",
+        "citation": (
+            "@article{qiu2025evolution,\n    title  = {{Evolution Strategies at Scale: LLM Fine-Tuning Beyond "
+            "Reinforcement Learning}},\n    author = {Xin Qiu and others},\n    year   = 2025,\n"
+            "    eprint = {arXiv:2509.24372}\n}"
+        ),
+    }
+
     _lock = None
 
     def lock_output_dir(self) -> None:

@@ -1,8 +1,8 @@
 """What ESTrainer reports: the training metrics of each logging window, and evaluations.
 
-A mixin of `ESTrainer`. Every step appends its metrics (`trl_es.training.population`) to `self._metrics`; `log` — called by
-Trainer every `logging_steps`, at the end of training, and by `ESTrainer` before each checkpoint — logs their
-means over the window, NaN values left out (a metric with none left logs None), as GRPOTrainer does, so no step's
+A mixin of `ESTrainer`. Every step appends its metrics (`_log_step`, from `trl_es.training.population`'s
+summaries) to `self._metrics`; `log` — called by Trainer every `logging_steps`, at the end of training, and by
+`ESTrainer` before each checkpoint — logs their means over the window, NaN values left out (a metric with none left logs None), as GRPOTrainer does, so no step's
 metrics are lost. `evaluate` runs the evaluation loop `trl-es eval` runs (`trl_es.evaluation.evaluate_batch`), on one
 eval dataset or on each of a dict of them (`eval_<name>_*`).
 """
@@ -13,6 +13,7 @@ import json
 import math
 import os
 import time
+import warnings
 
 import pandas as pd
 import torch
@@ -35,7 +36,7 @@ def window_means(metrics: dict[str, list[float]]) -> dict[str, float | None]:
 
 
 class ReportingMixin:
-    """`log` and `evaluate` of `ESTrainer` (see the module docstring)."""
+    """The step's metrics, `log` and `evaluate` of `ESTrainer` (see the module docstring)."""
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Trainer's log record with the window's metrics. A step record has no `loss` or `grad_norm`: ES has no
@@ -53,6 +54,31 @@ class ReportingMixin:
         # logged last, which is then this step's
         if completions and self.accelerator.is_main_process:
             self._log_completions()
+
+    def _log_step(self, members: torch.Tensor, n_prompts: int, center, outcome: dict, times: dict) -> None:
+        """The step's metrics, from the members' all-reduced summaries: the same whatever the number of processes.
+        `num_tokens` counts, as GRPOTrainer's, the prompt and completion tokens seen so far, here by every member
+        (a prompt's tokens once per completion; an agent episode's first prompt, as its environment reset it)."""
+        tools = self.agents is not None and bool(self.agents.tools)
+        step = ({} if center is None else {"es/center_reward": center}) | self.population.metrics(
+            members, n_prompts, tools
+        )
+        self.state.num_input_tokens_seen += self.population.layout(n_prompts).tokens(members)
+        step |= {"num_tokens": self.state.num_input_tokens_seen, "step_time": times["step"]}
+        step |= {**outcome, "es/rel_distance_from_start": self._distance()}
+        step |= {f"es/time/{name}": times[name] for name in ("generate", "reward", "noise", "update", "communication")}
+        for name, value in step.items():
+            self._metrics[name].append(value)
+
+    def _warn_skipped_steps(self) -> None:
+        """One warning at the end of `train` for its steps whose rewards had no spread (`es/skipped_update`)."""
+        if self._skipped_steps:
+            warnings.warn(
+                f"{self._skipped_steps} ES step(s) of this run left the weights unchanged: the population rewards "
+                "had no spread (all equal, or all None), so they carried no signal (es/skipped_update = 1 in "
+                "their log records)",
+                stacklevel=3,  # the caller of `train`
+            )
 
     def _log_completions(self) -> None:
         """The first member's prompts, completions and rewards of the latest step, as GRPOTrainer logs its own:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-import warnings
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -89,18 +88,6 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
     trainer.train()
     ```
     """
-
-    _tag_names = ["trl", "trl-es", "evolution-strategies"]
-    _name = "ES"
-    _paper = {
-        "title": "Evolution Strategies at Scale: LLM Fine-Tuning Beyond Reinforcement Learning",
-        "id": "2509.24372",
-        "citation": (
-            "@article{qiu2025evolution,\n    title  = {{Evolution Strategies at Scale: LLM Fine-Tuning Beyond "
-            "Reinforcement Learning}},\n    author = {Xin Qiu and others},\n    year   = 2025,\n"
-            "    eprint = {arXiv:2509.24372}\n}"
-        ),
-    }
 
     def __init__(
         self,
@@ -188,22 +175,15 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
     # GRPOTrainer's public attributes, with the same meaning
     reward_funcs = property(lambda self: self.reward_functions.funcs, doc="The reward functions and models.")
     reward_func_names = property(lambda self: self.reward_functions.names, doc="Their names, as in the logs.")
-    reward_weights = property(
-        lambda self: self.reward_functions.reward_weights, doc="Their weights (a float32 tensor)."
-    )
-    reward_processing_classes = property(
-        lambda self: self.reward_functions.processing_classes, doc="The reward models' tokenizers (None: callables)."
-    )
+    reward_weights = property(lambda self: self.reward_functions.reward_weights, doc="Their weights (float32).")
+    reward_processing_classes = property(lambda self: self.reward_functions.processing_classes)  # their tokenizers
 
     # ---- Trainer plumbing -------------------------------------------------------------------------------------
 
     def create_optimizer(self, model=None):
-        """With `es_optimizer`, Trainer's optimizer (the one given in `optimizers`, else built from
-        `optimizer_cls_and_kwargs` or `optim`, …), which the ES step itself steps on the gradient estimate the search
-        space wrote (its `tell`; Trainer's own `optimizer.step()` then finds no gradient and does nothing); it must
-        hold every ES parameter. Otherwise a placeholder: the plain update keeps no optimizer
-        state; this SGD over one scalar that never receives a gradient (so `step()` does nothing) lets Trainer's
-        scheduler drive α_t, saved and resumed with checkpoints."""
+        """With `es_optimizer`, Trainer's optimizer (from `optimizers`, `optimizer_cls_and_kwargs` or `optim`), which
+        the update rule steps on ĝ (`SearchSpace.tell`); it must hold every ES parameter. Otherwise a placeholder SGD
+        over one scalar that never gets a gradient: the plain update keeps no state, the scheduler drives α_t."""
         if self.args.es_optimizer:
             optimizer = super().create_optimizer(model)
             check_optimizer_parameters(optimizer, self.es_params)
@@ -271,13 +251,7 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
             output = super().train(*args, **kwargs)
             if self.state.global_step == 0:
                 raise ValueError("no ES step ran: the training dataset gave no prompts (is it empty?)")
-            if self._skipped_steps:
-                warnings.warn(
-                    f"{self._skipped_steps} ES step(s) of this run left the weights unchanged: the population rewards "
-                    "had no spread (all equal, or all None), so they carried no signal (es/skipped_update = 1 in "
-                    "their log records)",
-                    stacklevel=2,
-                )
+            self._warn_skipped_steps()
             output.metrics["train_loss"] = self._training_loss()  # Trainer's own averages training_step's returns
             return output._replace(training_loss=output.metrics["train_loss"])
         finally:
@@ -323,18 +297,3 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
             outcome["es/sigma"] = self.space.rule.sigma_at(step)
             self._log_step(summaries[-len(members) :], len(rows), center, outcome, times)
             self.processes.write_shards(self.es_params.values())
-
-    def _log_step(self, members: torch.Tensor, n_prompts: int, center, outcome: dict, times: dict) -> None:
-        """The step's metrics, from the members' all-reduced summaries: the same whatever the number of processes.
-        `num_tokens` counts, as GRPOTrainer's, the prompt and completion tokens seen so far, here by every member
-        (a prompt's tokens once per completion; an agent episode's first prompt, as its environment reset it)."""
-        tools = self.agents is not None and bool(self.agents.tools)
-        step = ({} if center is None else {"es/center_reward": center}) | self.population.metrics(
-            members, n_prompts, tools
-        )
-        self.state.num_input_tokens_seen += self.population.layout(n_prompts).tokens(members)
-        step |= {"num_tokens": self.state.num_input_tokens_seen, "step_time": times["step"]}
-        step |= {**outcome, "es/rel_distance_from_start": self._distance()}
-        step |= {f"es/time/{name}": times[name] for name in ("generate", "reward", "noise", "update", "communication")}
-        for name, value in step.items():
-            self._metrics[name].append(value)
