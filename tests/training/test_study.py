@@ -82,6 +82,8 @@ def test_quick_study_writes_the_comparison_and_resumes(tmp_path, tiny_model_dir,
         argv[argv.index(flag) + 1] = value  # another budget or base on the same --out: not reported as this run's
         with pytest.raises(ValueError, match="was trained with other .* than this run's"):
             study(argv)
+    with pytest.raises(ValueError, match="was trained with other .* than this run's"):  # ES anchored toward the base
+        study([*quick(tmp_path / "study", tiny_model_dir), "--es-anchor-decay", "0.1"])
 
 
 @pytest.mark.parametrize(

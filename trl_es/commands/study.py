@@ -5,7 +5,8 @@
 Each method trains from the same model on the same prompts in the same order (no shuffling), with the task's reward
 and the same completion length, until the budget of wall clock has passed (the step running then finishes):
 `grpo` is TRL's GRPOTrainer (4 prompts × 4 completions per step, lr 1e-5), `es` is ESTrainer with the demo's
-calibrated settings (N=8, σ=5e-3, α=5e-3, 8 prompts per step, greedy members, or sampling ones with --es-sample).
+calibrated settings (N=8, σ=5e-3, α=5e-3, 8 prompts per step, greedy members, or sampling ones with --es-sample;
+`--es-anchor-decay λ` pulls it toward the base after each update).
 `grpo-es` continues the `grpo` result with ES for another budget, `es-grpo` the `es` result with GRPO: two budgets
 in all. Then the base and every result are evaluated on the task's held-out problems with the research's sampling
 (`trl_es.evaluation`: temperature 0.6, `--temperature` to change it; Pass@K and Maj@K for the research's K = 1, 16, 32
@@ -101,7 +102,8 @@ def stage_settings(kind: str, options) -> dict:
     """What a stage of `kind` ("es" or "grpo") trains with, as printed and saved."""
     if kind == "grpo":
         return {"trainer": "trl.GRPOTrainer", **GRPO_SETTINGS}
-    return {"trainer": "trl_es.ESTrainer", **ES_SETTINGS, "do_sample": options.es_sample}
+    anchor = {"es_anchor_decay": options.es_anchor_decay} if options.es_anchor_decay else {}
+    return {"trainer": "trl_es.ESTrainer", **ES_SETTINGS, **anchor, "do_sample": options.es_sample}
 
 
 def train(kind: str, model: str, output_dir: str, dataset, options) -> dict:
@@ -120,7 +122,8 @@ def train(kind: str, model: str, output_dir: str, dataset, options) -> dict:
     else:
         from .. import ESConfig, ESTrainer
 
-        args = ESConfig(**common, **ES_SETTINGS, generation_kwargs={"do_sample": options.es_sample})
+        args = ESConfig(**common, **ES_SETTINGS, es_anchor_decay=options.es_anchor_decay,
+                        generation_kwargs={"do_sample": options.es_sample})  # fmt: skip
         trainer = ESTrainer(model, options.reward_funcs, args=args, train_dataset=dataset, callbacks=[budget])
         completions_per_step = args.population_size * args.per_device_train_batch_size * args.num_generations
     budget.tokenizer = trainer.processing_class
@@ -297,6 +300,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-completion-length", type=int, default=None, help="default: the task's")
     parser.add_argument("--es-sample", action="store_true", help="ES members sample (temperature 1) as GRPO's "
                         "completions do, instead of generating greedily as the demo's")  # fmt: skip
+    parser.add_argument("--es-anchor-decay", type=float, default=0.0, help="ES's anchored decay λ (es_anchor_decay): "
+                        "θ ← θ − λ·(θ − θ₀) after each update; its KL drift and held-out change measure forgetting")  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=1_000_000, help="a cap on steps besides the budget")
     parser.add_argument("--n", type=int, default=16, help="completions sampled per held-out problem")
     parser.add_argument("--k", default=None, help="comma-separated K values for Pass@K and Maj@K (None: the "
