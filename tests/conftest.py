@@ -6,12 +6,21 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One thread per pytest-xdist worker (and per process it launches): with `-n 2` on 2 cores, two workers of 2
+    # OpenMP threads each spin on each other's cores and the suite runs ~3× slower than serially.
+    os.environ["OMP_NUM_THREADS"] = "1"
 # Task data: the first rows of the real benchmark files (tests/data/README.md), so no test needs the Hub.
 os.environ["TRL_ES_DATA"] = os.path.join(os.path.dirname(__file__), "data")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from helpers import build_tiny_model  # noqa: E402
+from helpers import SandboxUids, build_tiny_model  # noqa: E402
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # in case torch was imported before OMP_NUM_THREADS was set
 
 
 @pytest.fixture(scope="session")
@@ -27,11 +36,18 @@ def tiny_model_dir(tmp_path_factory, tokenizer_dir):
 
 
 @pytest.fixture
+def sandbox_uids(monkeypatch) -> SandboxUids:
+    """The throwaway uids of this test's sandboxed runs (`.live_processes()`: what they left running)."""
+    return SandboxUids(monkeypatch)
+
+
+@pytest.fixture
 def prompt_dataset():
     prompts = [f"Count to {n}:" for n in range(1, 9)]
     return Dataset.from_dict({"prompt": prompts, "target": [str(n) for n in range(1, 9)]})
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the group into the test ids
 def pytest_collection_modifyitems(items):
     """Under pytest-xdist (`-n 2 --dist loadgroup`), the tests that launch processes or start vLLM engines run on
     one worker, one after the other (they share session-scoped launches and need the machine's cores)."""

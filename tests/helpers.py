@@ -110,21 +110,34 @@ def upper_vocab_share(completion_ids, **kwargs):
     return [sum(t >= 24576 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
-THROWAWAY_UIDS = range(200_000, 2_000_000)
+class SandboxUids:
+    """Records the throwaway uids the sandbox picks (`secrets.randbelow` wrapped), so that a test checks the
+    processes of its own runs only: under pytest-xdist other tests run sandboxed programs at the same time."""
 
+    def __init__(self, monkeypatch):
+        from trl_es.rewards import sandbox
 
-def throwaway_processes() -> list[int]:
-    """Live processes whose real uid is in the sandbox's throwaway range."""
-    pids = []
-    for name in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{name}/status") as file:
-                fields = dict(line.split(":", 1) for line in file if ":" in line)
-        except OSError:
-            continue
-        if int(fields["Uid"].split()[0]) in THROWAWAY_UIDS and not fields["State"].strip().startswith("Z"):
-            pids.append(int(name))
-    return pids
+        self.uids, draw = [], sandbox.secrets.randbelow
+
+        def recorded(n):
+            value = draw(n)
+            self.uids.append(200_000 + value)
+            return value
+
+        monkeypatch.setattr(sandbox.secrets, "randbelow", recorded)
+
+    def live_processes(self) -> list[int]:
+        """Live processes whose real uid one of the recorded runs had."""
+        pids = []
+        for name in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{name}/status") as file:
+                    fields = dict(line.split(":", 1) for line in file if ":" in line)
+            except OSError:
+                continue
+            if int(fields["Uid"].split()[0]) in self.uids and not fields["State"].strip().startswith("Z"):
+                pids.append(int(name))
+        return pids
 
 
 # ---- A search space defined outside trl-es (registered on import): tests/training/test_search_space_registry.py,

@@ -12,7 +12,6 @@ import threading
 import time
 
 import pytest
-from helpers import throwaway_processes
 
 from trl_es.rewards.sandbox import run_python
 from trl_es.tasks.mbpp import mbpp, mbpp_reward
@@ -112,7 +111,7 @@ assert len([p for p in os.listdir("/proc") if p.isdigit()]) <= 2  # itself and t
     assert run_python(program).passed
 
 
-def test_ctrl_c_in_the_trainer_leaves_no_program_running():
+def test_ctrl_c_in_the_trainer_leaves_no_program_running(sandbox_uids):
     # Ctrl-C at a terminal raises KeyboardInterrupt; a suite started in the background inherits SIGINT ignored
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
@@ -125,4 +124,4 @@ def test_ctrl_c_in_the_trainer_leaves_no_program_running():
         signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - start < 10
     time.sleep(0.2)
-    assert throwaway_processes() == []
+    assert sandbox_uids.live_processes() == []

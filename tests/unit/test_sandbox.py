@@ -13,7 +13,6 @@ import tempfile
 import time
 
 import pytest
-from helpers import throwaway_processes
 
 from trl_es.rewards.sandbox import SandboxResult, run_python
 from trl_es.tasks.data import local_data
@@ -41,15 +40,15 @@ def test_bad_arguments_raise():
         run_python("pass", timeout_s=0)
 
 
-def test_infinite_loop_is_killed_at_the_timeout():
+def test_infinite_loop_is_killed_at_the_timeout(sandbox_uids):
     start = time.monotonic()
     assert run_python("while True:\n    pass", timeout_s=1.0) == SandboxResult(False, "timeout")
     assert time.monotonic() - start < 5  # killed at 1 s (loose for loaded machines; the loop never ends)
     assert run_python("import time\ntime.sleep(600)", timeout_s=0.5) == SandboxResult(False, "timeout")
-    assert throwaway_processes() == []
+    assert sandbox_uids.live_processes() == []
 
 
-def test_fork_bomb_fails_and_leaves_no_process():
+def test_fork_bomb_fails_and_leaves_no_process(sandbox_uids):
     processes = len(list(filter(str.isdigit, os.listdir("/proc"))))
     fork = "import os\ntry:\n    os.fork()\nexcept BlockingIOError:\n    raise SystemExit(3)"
     assert run_python(fork) == SandboxResult(False, "exit status 3")
@@ -57,7 +56,7 @@ def test_fork_bomb_fails_and_leaves_no_process():
     assert not run_python(bomb, timeout_s=1.0).passed
     threads = "import threading, time\nthreading.Thread(target=time.sleep, args=(600,)).start()"
     assert not run_python(threads).passed
-    assert throwaway_processes() == []
+    assert len(sandbox_uids.uids) == 3 and sandbox_uids.live_processes() == []
     assert len(list(filter(str.isdigit, os.listdir("/proc")))) < processes + 20  # leeway for unrelated processes
 
 
