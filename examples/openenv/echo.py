@@ -156,10 +156,13 @@ def make_trainer(options):
     """The ESTrainer of TRL's echo script for the parsed command line `options` (the server already running)."""
     from datasets import Dataset
     from trl import GRPOConfig
+    from trl.trainer.utils import remove_none_values
 
     from trl_es import ESConfig, ESTrainer
 
     dataset = Dataset.from_dict({"prompt": [[*few_shot(), {"role": "user", "content": PROMPT}]] * 64})
+    # Arrow gives every message every key (`tool_calls: None` on plain ones); TRL's helper drops them again
+    dataset = dataset.with_transform(remove_none_values)
     grpo_args = GRPOConfig(
         output_dir=options.output_dir,
         bf16=False,  # CPU

@@ -148,11 +148,14 @@ def make_trainer(options):
     """The ESTrainer of TRL's 2048 script for the parsed command line `options`."""
     from datasets import Dataset
     from trl import GRPOConfig
+    from trl.trainer.utils import remove_none_values
 
     from trl_es import ESConfig, ESTrainer
 
     prompt = [*few_shot(), {"role": "user", "content": PROMPT}]
     dataset = Dataset.from_dict({"prompt": [prompt] * 64})
+    # Arrow gives every message every key (`tool_calls: None` on plain ones); TRL's helper drops them again
+    dataset = dataset.with_transform(remove_none_values)
     grpo_args = GRPOConfig(
         output_dir=options.output_dir,
         bf16=False,  # CPU

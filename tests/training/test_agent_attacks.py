@@ -9,9 +9,11 @@ consecutive steps. The episode loop alone is under test, so no model generates: 
 
 import asyncio
 import concurrent.futures
+import os
 import random
 import threading
 import time
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -264,6 +266,35 @@ def test_the_check_sees_silent_resets_and_more_than_one_pair(tmp_path, tiny_mode
         trainer_for(tmp_path, tiny_model_dir, Hidden, done)
     with pytest.warns(UserWarning, match=r"Lucky5.*different observations"):
         trainer_for(tmp_path, tiny_model_dir, Lucky5, done)
+
+
+class Connection:
+    """A remote service's client connection, from another package: a session id of its own per connect."""
+
+    def connect(self):
+        self.session = os.urandom(8).hex()
+
+
+Connection.__module__ = "remote_service"
+
+
+class Served(Waiting):
+    """OpenEnv-style: the episode lives on the server (reached through `seed`); the client reconnects in reset."""
+
+    def __init__(self):
+        self.client = Connection()
+
+    def reset(self, seed=None, **kwargs):
+        self.client.connect()
+        self.seed = seed
+
+
+def test_the_check_compares_a_clients_connection_by_its_type(tmp_path, tiny_model_dir):
+    """Its ids and sockets differ between instances by design (TRL's OpenEnv echo example warned on them); the
+    environment's own state is still compared — `Hidden` above keeps its generator in itself."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer_for(tmp_path, tiny_model_dir, Served, done)
 
 
 class Clock(Waiting):

@@ -50,10 +50,13 @@ def no_exit(what: str):
         raise RuntimeError(f"{what} called exit({code})") from None
 
 
-def picture(value, depth: int = 6):
+def picture(value, depth: int = 6, home: str | None = None):
     """What `value` holds, comparable between instances: plain data as it is, a random generator by its state, an
-    array or tensor by its values, another object by its attributes (`depth` levels down); anything else (a client,
-    a lock, a function) by its type, and anything larger than `LARGEST_PICTURED` elements by its size."""
+    array or tensor by its values, another object of the package `home` (the environment's own; any package when
+    None) by its attributes (`depth` levels down); anything else (a client of a remote service and its connection, a
+    lock, a function) by its type — its ids, keys and sockets differ between instances by design, and the state it
+    reaches lives on the server (`reset`'s `seed` reaches it) — and anything larger than `LARGEST_PICTURED` elements
+    by its size."""
     kind = type(value).__qualname__
     if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
         return repr(value)
@@ -69,29 +72,31 @@ def picture(value, depth: int = 6):
     if isinstance(value, (np.ndarray, torch.Tensor)):
         size = (str(value.dtype), tuple(value.shape))
         count = value.size if isinstance(value, np.ndarray) else value.numel()
-        return size if count > LARGEST_PICTURED else (*size, picture(value.tolist(), depth))
+        return size if count > LARGEST_PICTURED else (*size, picture(value.tolist(), depth, home))
     if depth == 0:
         return kind
     if isinstance(value, (dict, list, tuple, set, frozenset, collections.deque)) and len(value) > LARGEST_PICTURED:
         return (kind, len(value))
     if isinstance(value, dict):
-        return (kind, [(picture(k, depth - 1), picture(v, depth - 1)) for k, v in value.items()])
+        return (kind, [(picture(k, depth - 1, home), picture(v, depth - 1, home)) for k, v in value.items()])
     if isinstance(value, (list, tuple, collections.deque)):
-        return (kind, [picture(v, depth - 1) for v in value])
+        return (kind, [picture(v, depth - 1, home) for v in value])
     if isinstance(value, (set, frozenset)):
-        return (kind, sorted(repr(picture(v, depth - 1)) for v in value))
+        return (kind, sorted(repr(picture(v, depth - 1, home)) for v in value))
     attributes = getattr(value, "__dict__", None)
-    if isinstance(attributes, dict) and not isinstance(value, (type, types.ModuleType, types.FunctionType)):
-        return (kind, picture(attributes, depth - 1))
+    own = home is None or type(value).__module__.partition(".")[0] == home
+    if own and isinstance(attributes, dict) and not isinstance(value, (type, types.ModuleType, types.FunctionType)):
+        return (kind, picture(attributes, depth - 1, home))
     return kind
 
 
 def attribute_pictures(instance) -> dict:
-    """`picture` of each of `instance`'s attributes (its type's name where one cannot be pictured)."""
-    pictures = {}
+    """`picture` of each of `instance`'s attributes, objects of its own package by their contents (its type's name
+    where one cannot be pictured)."""
+    pictures, home = {}, type(instance).__module__.partition(".")[0]
     for name, value in getattr(instance, "__dict__", {}).items():
         try:
-            pictures[name] = picture(value)
+            pictures[name] = picture(value, home=home)
         except Exception:  # a value whose contents cannot be read: compared by its type
             pictures[name] = type(value).__qualname__
     return pictures
