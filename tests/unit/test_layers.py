@@ -19,7 +19,7 @@ LAYERS = [
     ("generation", "generation backends (transformers, vLLM) and their weights backends"),
     ("rollout", "how completions are produced: plain, agent episodes, rollout functions"),
     ("chains", "seed chains: format, recording, replay"),
-    ("research", "the research's analyses of updates: sparsity, cosines, KL drift"),
+    ("research", "the research's analyses: update sparsity, cosines, KL drift; the fitness-signal diagnostic"),
     ("evaluation", "Pass@K, Maj@K, entropy: the evaluation loop, tables and plots"),
     ("training", "ESConfig and ESTrainer, the population, processes, logging, checkpoints"),
     ("__init__", "the package's face: ESConfig, ESTrainer, load_chain, __version__"),
