@@ -1,6 +1,7 @@
 """The distributed tests' shared runs: the 1-process reference and ONE 2-process launch of the harness
-(`multiprocess_es.py`) that runs every regression-guard scenario, the user script's runs (logged; an adapter on an 8-bit base) and, last, a run
-whose reward raises on process 1. Several test modules assert on what these runs wrote."""
+(`multiprocess_es.py`) that runs every regression-guard scenario, the user script's runs (logged; an adapter on an
+8-bit base) and, last, a run whose reward raises on process 1. Several test modules assert on what these runs
+wrote."""
 
 import os
 from pathlib import Path
@@ -46,8 +47,8 @@ def one_process(guard_models, model_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def two_processes(guard_models, model_dir, tmp_path_factory) -> Path:
-    """One launch with 2 processes (the shipped examples/accelerate/cpu_two_processes.yaml): every guard scenario, the user script's runs, and last the run whose reward raises on
-    process 1 (which ends the launch)."""
+    """One launch with 2 processes (the shipped examples/accelerate/cpu_two_processes.yaml): every guard scenario,
+    the user script's runs, and last the run whose reward raises on process 1 (which ends the launch)."""
     out = tmp_path_factory.mktemp("two-processes")
     runs = [
         *guard_runs(guard_models),
