@@ -1,10 +1,11 @@
 """Evaluation through vLLM: completions per second of `trl-es eval --use-vllm` against a plain vLLM `generate` of the
 same rows, in one run (goal: ≥ 90% of plain vLLM).
 
-    python benchmarks/eval_throughput.py [--model smollm2] [--problems 16] [--n 8] [--tokens 64] [--repeats 2]
+    python benchmarks/eval_throughput.py [--model smollm2] [--task small_sums] [--problems 16] [--n 8] [--tokens 64]
 
 Both sides start an in-process engine with the same settings on the same model and sample n completions of the
-same GSM8K prompts at T = 0.6 with the same token budget; the engine's start is not timed. trl-es sends every
+same prompts of the task (small sums by default: built here, offline; `--task gsm8k` needs its data) at T = 0.6
+with the same token budget; the engine's start is not timed. trl-es sends every
 completion as its own request with its own seed (so records, resume and results keep their meaning) and scores
 them with the task's reward; plain vLLM sends one request per prompt with `n` samples and scores nothing. Each side
 runs in a fresh process, alternating (A B A B …), and the medians are compared.
@@ -21,14 +22,14 @@ import sys
 import time
 
 
-def plain(model: str, problems: int, n: int, tokens: int) -> float:
+def plain(model: str, task: str, problems: int, n: int, tokens: int) -> float:
     """Completions per second of `LLM.generate` with `SamplingParams(n=...)` (after the engine started)."""
     from vllm import LLM, SamplingParams
 
-    from trl_es.tasks import gsm8k
+    from trl_es.tasks import get_task
     from trl_es.util.models import resolve_model
 
-    rows = gsm8k("test").select(range(problems))
+    rows = get_task(task).load("test").select(range(problems))
     llm = LLM(model=resolve_model(model), dtype="float32", enforce_eager=True, seed=0)
     tokenizer = llm.get_tokenizer()
     prompts = [
@@ -40,14 +41,14 @@ def plain(model: str, problems: int, n: int, tokens: int) -> float:
     return sum(len(output.outputs) for output in outputs) / (time.perf_counter() - start)
 
 
-def trl_es(model: str, problems: int, n: int, tokens: int) -> float:
+def trl_es(model: str, task: str, problems: int, n: int, tokens: int) -> float:
     """Completions per second of the evaluation loop through vLLM: the task's `wall_s`, which starts after the model
     and its engine are loaded and covers generating, scoring and writing the records."""
     import tempfile
 
     from trl_es.evaluation import evaluate
 
-    results = evaluate([model], "gsm8k", n=n, k=[1], out_dir=tempfile.mkdtemp(), limit=problems,
+    results = evaluate([model], task, n=n, k=[1], out_dir=tempfile.mkdtemp(), limit=problems,
                        max_completion_length=tokens, temperature=0.6, batch_size=problems, use_vllm=True,
                        progress=lambda _: None)  # fmt: skip
     (scores,) = results["models"].values()
@@ -57,13 +58,14 @@ def trl_es(model: str, problems: int, n: int, tokens: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--task", default="small_sums")
     parser.add_argument("--problems", type=int, default=16)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--side", choices=("plain", "trl-es"), help=argparse.SUPPRESS)
     options = parser.parse_args()
-    sizes = (options.model, options.problems, options.n, options.tokens)
+    sizes = (options.model, options.task, options.problems, options.n, options.tokens)
     if options.side:
         print(json.dumps((plain if options.side == "plain" else trl_es)(*sizes)))
         return
@@ -71,13 +73,17 @@ def main() -> None:
     speeds = {"plain": [], "trl-es": []}
     for _ in range(options.repeats):
         for side in speeds:
-            command = [sys.executable, __file__, "--side", side, "--model", options.model, "--problems",
-                       str(options.problems), "--n", str(options.n), "--tokens", str(options.tokens)]  # fmt: skip
-            process = subprocess.run(command, capture_output=True, text=True, env=env, check=True)
+            command = [sys.executable, __file__, "--side", side, "--model", options.model, "--task", options.task,
+                       "--problems", str(options.problems), "--n", str(options.n), "--tokens", str(options.tokens)]  # fmt: skip
+            process = subprocess.run(command, capture_output=True, text=True, env=env)
+            if process.returncode:
+                sys.exit(f"{side} failed:\n{process.stderr[-3000:]}")
             speeds[side].append(json.loads(process.stdout.strip().splitlines()[-1]))
             print(f"{side}: {speeds[side][-1]:.1f} completions/s", flush=True)
     plain_speed, ours = statistics.median(speeds["plain"]), statistics.median(speeds["trl-es"])
-    print(f"\n{options.problems} GSM8K problems × n={options.n}, ≤{options.tokens} tokens, T=0.6, {options.model}")
+    print(
+        f"\n{options.problems} {options.task} problems × n={options.n}, ≤{options.tokens} tokens, T=0.6, {options.model}"
+    )
     print(f"plain vLLM generate  {plain_speed:8.1f} completions/s")
     print(f"trl-es eval (vLLM)   {ours:8.1f} completions/s   ratio {ours / plain_speed:.2f}")
 
