@@ -3,8 +3,8 @@
 A mixin of `ESTrainer`. Every step appends its metrics (`_log_step`, from `trl_es.training.population`'s
 summaries) to `self._metrics`; `log` — called by Trainer every `logging_steps`, at the end of training, and by
 `ESTrainer` before each checkpoint — logs their means over the window, NaN values left out (a metric with none left
-logs None), as GRPOTrainer does, so no step's metrics are lost. `evaluate` runs the evaluation loop `trl-es eval` runs (`trl_es.evaluation.evaluate_batch`), on one
-eval dataset or on each of a dict of them (`eval_<name>_*`).
+logs None), as GRPOTrainer does, so no step's metrics are lost. `evaluate` runs the evaluation loop `trl-es eval`
+runs (`trl_es.evaluation.evaluate_batch`), on one eval dataset or on each of a dict of them (`eval_<name>_*`).
 """
 
 from __future__ import annotations
