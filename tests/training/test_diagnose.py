@@ -64,18 +64,7 @@ def reward(completions, **kwargs):
 
 
 def probe_of(trainer, seed=5):
-    functions = trainer.reward_functions
-    return Probe(
-        space=trainer.space,
-        weights=trainer.weights,
-        rollout=trainer.rollout,
-        reward=lambda rows, completions: float(functions.combine(functions.score(rows, completions)).nanmean()),
-        model=trainer.model,
-        tokenize=trainer.generation.tokenize,
-        pad_token_id=trainer.processing_class.pad_token_id,
-        n=trainer.args.num_generations,
-        seed=seed,
-    )
+    return Probe.of(trainer, seed)
 
 
 @pytest.mark.parametrize("space", ["full", "lowrank"])

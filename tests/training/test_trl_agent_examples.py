@@ -44,7 +44,7 @@ def test_2048_game_receives_moves_and_its_scores_are_the_reward(tmp_path):
 def test_echo_server_answers_tool_calls_and_its_rewards_come_back(tmp_path, monkeypatch):
     pytest.importorskip("openenv")
     echo = example("echo")
-    argv = ["--steps", "1", "--population", "2", "--max-completion-length", "40", "--output-dir", str(tmp_path / "run")]
+    argv = ["--steps", "1", "--population", "2", "--max-completion-length", "40", "--output-dir", str(tmp_path)]
     options = echo.parse_args(argv)
     monkeypatch.setattr(sys, "path", list(sys.path))  # `serve` puts the generated echo_env on the path
     monkeypatch.setenv("ECHO_ENV_URL", "")  # and sets the server's address

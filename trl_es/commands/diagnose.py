@@ -116,19 +116,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             disable_tqdm=True,
         )
         trainer = ESTrainer(options.model, reward_funcs, args=args, train_dataset=dataset, peft_config=peft_config)
-        functions = trainer.reward_functions
-        tokenizer = trainer.processing_class
-        probe = Probe(
-            space=trainer.space,
-            weights=trainer.weights,
-            rollout=trainer.rollout,
-            reward=lambda rows, completions: float(functions.combine(functions.score(rows, completions)).nanmean()),
-            model=trainer.model,
-            tokenize=trainer.generation.tokenize,
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-            n=options.num_generations,
-            seed=options.seed,
-        )
+        probe = Probe.of(trainer, options.seed)
         rows = [[dataset[i] for i in batch] for batch in batches]
         records = diagnose(probe, rows, sigmas, objectives, couplings, options.resamples)
     os.makedirs(options.out, exist_ok=True)

@@ -64,6 +64,22 @@ class Probe:
     n: int
     seed: int
 
+    @classmethod
+    def of(cls, trainer, seed: int) -> Probe:
+        """The probe of an `ESTrainer`: its search space, weights, rollout, reward functions and model."""
+        functions, tokenizer = trainer.reward_functions, trainer.processing_class
+        return cls(
+            space=trainer.space,
+            weights=trainer.weights,
+            rollout=trainer.rollout,
+            reward=lambda rows, completions: float(functions.combine(functions.score(rows, completions)).nanmean()),
+            model=trainer.model,
+            tokenize=trainer.generation.tokenize,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+            n=trainer.args.num_generations,
+            seed=seed,
+        )
+
 
 def prompt_batches(n_rows: int, directions: int, size: int, seed: int) -> list[list[int]]:
     """Direction d's batch: `size` row indices, disjoint across directions while the dataset lasts — positions
