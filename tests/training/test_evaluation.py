@@ -272,3 +272,25 @@ def test_cli_eval(tiny_model_dir, tmp_path, capsys):
     assert "model on small_sums: mean token entropy" in printed and "temperature 1.0" in printed
     assert cli([*argv[:6], "3", "--k", "1,4", "--out-dir", out + "2"]) == 1
     assert "every K must be in 1..n=3" in capsys.readouterr().err
+
+
+def test_entropy_scored_by_teacher_forcing_equals_the_entropy_recorded_while_sampling(tiny_model_dir):
+    """`completion_entropy_sums` (how `trl-es eval --use-vllm` gets token entropy) on completions sampled by
+    transformers: each completion's summed entropy equals the one `EntropyRecorder` recorded while generating, for
+    prompts of different lengths (left padding there, right padding here) and completions cut at EOS or not."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_es.generation import TransformersGeneration, decoding_config
+    from trl_es.generation.transformers_backend import completion_entropy_sums
+    from trl_es.util.models import eos_token_ids
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    eos = eos_token_ids(model, tokenizer)
+    generation = TransformersGeneration(model, tokenizer, decoding_config(tokenizer, eos, 12, temperature=0.6), eos)
+    rows = [tokenizer("1 + 1 =").input_ids, tokenizer("What is twelve plus four? Answer:").input_ids] * 3
+    completions, _, recorded = generation.generate_ids(rows, seeds=list(range(6)), record_entropy=True)
+    assert len(set(map(len, rows))) == 2 and len(set(map(tuple, completions))) > 1
+    scored = completion_entropy_sums(model, rows, completions, batch_size=4)
+    assert min(recorded) > 0.1
+    assert scored == pytest.approx(recorded, rel=1e-4)

@@ -281,12 +281,17 @@ def eval_cli(out: Path, model: str, *flags: str) -> dict:
 @pytest.mark.vllm
 def test_eval_through_vllm_gives_the_transformers_records_and_repeats_sampled_runs(tmp_path, tokenizer_dir):
     """`trl-es eval --use-vllm`: greedy, the transformers path's records (answers, verdicts, completion lengths);
-    sampled, each completion under its own seed, the same records from a second engine in the same call."""
+    sampled, each completion under its own seed, the same records from a second engine in the same call; the
+    token entropy scored after vLLM equals the one recorded while generating."""
     pytest.importorskip("vllm")
     model = build_tiny_model(tmp_path / "model", tokenizer_dir, **VLLM_MODEL)
     greedy = ("--greedy", "--n", "1")
     transformers = eval_cli(tmp_path / "hf", model, *greedy)["model"]
     assert transformers == eval_cli(tmp_path / "vllm", model, *greedy, "--use-vllm")["model"]
+    # the same completions' token entropy: recorded while generating, and scored afterwards by teacher forcing
+    recorded, scored = (json.loads((tmp_path / run / "results.json").read_text())["models"]["model"]["tasks"]
+                        ["small_sums"]["mean_token_entropy"] for run in ("hf", "vllm"))  # fmt: skip
+    assert recorded > 0.1 and scored == pytest.approx(recorded, rel=1e-3)
     sampled = eval_cli(tmp_path / "sampled", model, "--model", model, "--n", "4", "--k", "1,4", "--use-vllm")
     assert sampled["model"] == sampled["model'"] and len(sampled["model"]) == 2
     settings = json.loads((tmp_path / "sampled" / "results.json").read_text())["settings"]["small_sums"]

@@ -9,7 +9,7 @@ calibrated settings (N=8, σ=5e-3, α=5e-3, 8 prompts per step, greedy members, 
 `--es-anchor-decay λ` pulls it toward the base after each update).
 `grpo-es` continues the `grpo` result with ES for another budget, `es-grpo` the `es` result with GRPO: two budgets
 in all. Then the base and every result are evaluated on the task's held-out problems with the research's sampling
-(`trl_es.evaluation`: temperature 0.6, `--temperature` to change it; Pass@K and Maj@K for the research's K = 1, 16, 32
+(`trl_es.evaluation`, through vLLM with `--use-vllm`: temperature 0.6, `--temperature` to change it; Pass@K and Maj@K for the research's K = 1, 16, 32
 up to `--n`; mean token entropy) and every update is measured against the base
 (`trl_es.research.sparse.update_statistics`: relative L2 and s_τ; `trl_es.research.analysis`: the cosine between the ES and GRPO
 updates, KL drift on a fixed off-task text sample). With `--heldout gpqa,mbpp,…` the base and every result are also
@@ -218,7 +218,7 @@ def evaluate_heldout(options, tasks: list[str], k_values: list[int], paths: dict
     evaluated = evaluate_tasks(list(names.values()), tasks, options.n, k_values, os.path.join(options.out, "heldout"),
                                limit=options.limit, max_completion_length=options.heldout_length,
                                temperature=options.temperature, seed=options.seed, progress=progress,
-                               train_task=options.task)  # fmt: skip
+                               train_task=options.task, use_vllm=options.use_vllm)  # fmt: skip
     by_path = {row["path"]: row for row in evaluated["models"].values()}
     heldout = {"tasks": tasks, "train_task": options.task, "k": k_values, "models": {}}
     for name, path in names.items():
@@ -261,7 +261,7 @@ def study(options, progress=print_progress) -> dict:
     evaluated = evaluate([options.model, *paths.values(), *marks], options.task, options.n, k_values,
                          os.path.join(options.out, "eval"), limit=options.limit,
                          max_completion_length=options.max_completion_length, seed=options.seed,
-                         temperature=options.temperature, progress=progress)  # fmt: skip
+                         temperature=options.temperature, progress=progress, use_vllm=options.use_vllm)  # fmt: skip
     scores = {row["path"]: row for row in evaluated["models"].values()}
     measures = measure_updates(options.model, paths)
     results = {"task": options.task, "k": k_values, "budget_minutes": options.budget_minutes,
@@ -311,6 +311,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--heldout", default="", help="comma-separated held-out tasks (e.g. gpqa,mbpp,commonsenseqa,"
                         "countdown) the base and every result are evaluated on: the held-out change table")  # fmt: skip
     parser.add_argument("--limit", type=int, default=64, help="held-out problems evaluated")
+    parser.add_argument("--use-vllm", action="store_true", help="evaluate through an in-process vLLM engine (as "
+                        "`trl-es eval --use-vllm`; training is unchanged)")  # fmt: skip
     parser.add_argument("--marks", type=int, default=1, help="points of each stage that are saved and evaluated: "
                         "Pass@1 and Pass@K against time (pass_vs_time.png); 1: the end only")  # fmt: skip
     parser.add_argument("--seeds", default="0", help="comma-separated training and sampling seeds: several give "

@@ -29,6 +29,8 @@ import torch
 
 from ..es.seeds import completion_seeds, eval_seed
 from ..es.weights import weights_hash
+from ..generation import VLLMGeneration
+from ..generation.transformers_backend import completion_entropy_sums
 from ..rewards import RewardFunctions
 from ..rollout import PlainRollout, Rollout
 from ..tasks import SUCCESS_THRESHOLD, Task, get_task
@@ -156,7 +158,8 @@ def evaluate_model(
     settings)}), each task's batches appended to `records_dir/<task>/<name>.jsonl` (resuming from the batches already
     there). Returns {task: scores (with the task's `wall_s`)}. The generation backend is chosen here, once: transformers
     `generate`, or with `use_vllm` an in-process vLLM engine on the model's directory (every completion its own
-    request under its own seed, as in training; no token entropy)."""
+    request under its own seed, as in training; token entropy scored afterwards by the loaded model,
+    `ScoredVLLMGeneration`)."""
     from ..generation import TransformersGeneration, decoding_config
 
     model, tokenizer, eos_ids = _load(model_path)
@@ -168,9 +171,7 @@ def evaluate_model(
         config = decoding_config(tokenizer, eos_ids, settings["max_completion_length"], **decoding)
         if engine is None:
             return TransformersGeneration(model, tokenizer, config, eos_ids)
-        from ..generation import VLLMGeneration
-
-        return VLLMGeneration(engine, model, tokenizer, config, eos_ids, None)
+        return ScoredVLLMGeneration(engine, model, tokenizer, config, eos_ids, None)
 
     scores = {}
     for task_name, (task, dataset, settings) in problems.items():
@@ -184,6 +185,19 @@ def evaluate_model(
                                           label, progress)  # fmt: skip
         scores[task_name]["wall_s"] = round(time.perf_counter() - start, 1)
     return scores
+
+
+class ScoredVLLMGeneration(VLLMGeneration):
+    """vLLM's completions with their token entropy scored afterwards by the evaluated model in transformers
+    (`completion_entropy_sums`, teacher forcing): the protocol's entropy at vLLM's speed. Evaluation only: the model
+    here holds the weights vLLM generates with, which a training run's members do not."""
+
+    records_entropy = True
+
+    def generate_ids(self, rows, seeds, record_entropy=False, max_new_tokens=None):
+        completion_ids, truncated, _ = super().generate_ids(rows, seeds, False, max_new_tokens)
+        entropy_sums = completion_entropy_sums(self.model, rows, completion_ids) if record_entropy else None
+        return completion_ids, truncated, entropy_sums
 
 
 def _vllm_engine(model):

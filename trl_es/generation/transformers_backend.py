@@ -30,6 +30,27 @@ class EntropyRecorder(LogitsProcessor):
         return scores
 
 
+@torch.no_grad()
+def completion_entropy_sums(
+    model, rows: list[list[int]], completion_ids: list[list[int]], batch_size: int = 16
+) -> list[float]:
+    """Σ over each completion's tokens of H(π(·|prompt, earlier completion tokens)), scored by teacher forcing
+    (right-padded batches, one forward each): what `EntropyRecorder` records while generating, for completions
+    generated elsewhere (vLLM)."""
+    device, sums = model.device, []
+    for start in range(0, len(rows), batch_size):
+        prompts, completions = rows[start : start + batch_size], completion_ids[start : start + batch_size]
+        sequences = [prompt + completion for prompt, completion in zip(prompts, completions, strict=True)]
+        width = max(map(len, sequences))
+        input_ids = torch.tensor([seq + [0] * (width - len(seq)) for seq in sequences], device=device)
+        mask = torch.tensor([[1] * len(seq) + [0] * (width - len(seq)) for seq in sequences], device=device)
+        entropy = token_entropy(model(input_ids=input_ids, attention_mask=mask).logits).double()
+        for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
+            # the distribution that drew completion token j sits at position len(prompt) - 1 + j
+            sums.append(float(entropy[row, len(prompt) - 1 : len(prompt) - 1 + len(completion)].sum()))
+    return sums
+
+
 class SeededSampler(LogitsProcessor):
     """Sampling with one generator per batch row: the scores go through transformers' sampling warpers
     (temperature, top-k, top-p, min-p, …), row b draws its token with `torch.multinomial` (the sampler transformers
