@@ -111,9 +111,11 @@ class Colocated:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         keep_process_group = torch.distributed.is_initialized()  # accelerate's: it outlives this engine
-        enforce_eager = args.vllm_enforce_eager
-        if enforce_eager is None:
-            enforce_eager = accelerator.device.type == "cpu"
+        cpu = accelerator.device.type == "cpu"
+        enforce_eager = cpu if args.vllm_enforce_eager is None else args.vllm_enforce_eager
+        # On CPU every prefill runs whole: a seeded request whose prefill vLLM splits rewinds its generator, which CPU
+        # generators cannot ("CPU Generator does not use offset"); vLLM then takes up to the context's tokens a step.
+        batching = {"enable_chunked_prefill": False} if cpu else {"max_num_batched_tokens": 4096}
         try:
             with _keep_random_state():  # vLLM seeds the global RNGs; the trainer's data order must not change
                 self.llm = LLM(
@@ -126,7 +128,7 @@ class Colocated:
                     enforce_eager=enforce_eager,
                     distributed_executor_backend="external_launcher",
                     seed=accelerator.process_index // tp,
-                    max_num_batched_tokens=4096,
+                    **batching,
                     worker_extension_cls=WORKER_EXTENSION,
                     **(lora or {}),
                 )
