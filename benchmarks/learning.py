@@ -2,12 +2,14 @@
 
     python benchmarks/learning.py [--minutes 10] [--marks 5] [--seeds 0,1,2] [--methods grpo,es] [--out D]
     python benchmarks/learning.py --task small_sums_last --samples 32 --temperature 0.6   # the research's protocol
+    python benchmarks/learning.py --methods es,anchor-0.05,anchor-0.2 --samples 0   # anchored decay: learning vs drift
 
 Every run starts from SmolLM2-135M-Instruct and trains on small sums (`first_integer_reward`, 12 new tokens) for
 `--minutes` of wall clock. At `--marks` evenly spaced points of that budget the weights are saved (the saving time
 is not counted: the clock pauses) with the wall-clock seconds, the steps and the completions generated so far. After
 the run, outside its budget, each saved point is scored on the 64 held-out problems: greedy accuracy (the demo's
-check) and sampled (T=1) Pass@1 and Pass@8 with 8 completions per problem (`trl-es eval`'s loop and estimator);
+check) and sampled (T=1) Pass@1 and Pass@8 with 8 completions per problem (`trl-es eval`'s loop and estimator;
+`--samples 0` leaves them out), and its KL drift from the base on off-task text (`trl-es study`'s measure);
 `--task`, `--samples` and `--temperature` change the task (trained and scored) and the sampled scoring, which then
 also reports Maj@n and the completions' token entropy.
 
@@ -53,6 +55,8 @@ SETTINGS = {
         "per_device_train_batch_size": 4,
     },
     "lowrank-n32": {"es_search_space": "lowrank", "population_size": 32, "learning_rate": 8e-3},
+    "anchor-0.05": {"es_anchor_decay": 0.05},
+    "anchor-0.2": {"es_anchor_decay": 0.2},
 }
 """ES variants (overrides of `ES`). `antithetic-ranks-scaled` triples α: 8 centered ranks have std 0.33 where
 z-scores have 1, so it takes the demo's step size with rank shaping. `alpha-cosine` anneals α from 2× the demo's to
@@ -123,33 +127,49 @@ def stage(method: str, seed: int, minutes: float, marks: int, folder: str, model
 
 
 def score(points: list[dict]) -> list[dict]:
-    """Greedy held-out accuracy and sampled Pass@1 / Pass@n (Maj@n, token entropy) of each saved point, n =
+    """Greedy held-out accuracy, KL drift from the base on off-task text (`trl_es.commands.study.OFF_TASK_TEXTS`)
+    and, unless `TASK["samples"]` is 0, sampled Pass@1 / Pass@n (Maj@n, token entropy) of each saved point, n =
     `TASK["samples"]` (then its weights are removed)."""
-    from trl_es.evaluation import evaluate
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from trl_es.commands.study import OFF_TASK_TEXTS
+    from trl_es.evaluation import evaluate
+    from trl_es.research.analysis import mean_token_kl
+    from trl_es.util.models import smollm2_dir
+
+    base = AutoModelForCausalLM.from_pretrained(smollm2_dir()).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir())
     for point in points:
         stage_dir = os.path.dirname(point["path"])  # a sequence's stages each have a mark-1: records kept apart
         n, name = TASK["samples"], TASK["name"]
         greedy = evaluate([point["path"]], name, n=1, k=[1], out_dir=os.path.join(stage_dir, "greedy"),
                           greedy=True, batch_size=64, progress=lambda message: None)  # fmt: skip
-        sampled = evaluate([point["path"]], name, n=n, k=[1, n], out_dir=os.path.join(stage_dir, "sampled"),
-                           temperature=TASK["temperature"], progress=lambda message: None)  # fmt: skip
-        (g,), (s,) = greedy["models"].values(), sampled["models"].values()
-        point.update(greedy=g["pass@1"], entropy=s["mean_token_entropy"], **{key: s[key] for key in s if "@" in key})
+        (g,) = greedy["models"].values()
+        model = AutoModelForCausalLM.from_pretrained(point["path"]).eval()
+        point.update(greedy=g["pass@1"], kl_drift=mean_token_kl(base, model, tokenizer, OFF_TASK_TEXTS))
+        if n:
+            sampled = evaluate([point["path"]], name, n=n, k=[1, n], out_dir=os.path.join(stage_dir, "sampled"),
+                               temperature=TASK["temperature"], progress=lambda message: None)  # fmt: skip
+            (s,) = sampled["models"].values()
+            point.update(entropy=s["mean_token_entropy"], **{key: s[key] for key in s if "@" in key})
         shutil.rmtree(point.pop("path"))
     return points
 
 
 def plot(results: list[dict], path: str) -> None:
-    """Greedy accuracy and Pass@8 (mean over seeds, min–max band) against seconds and against completions."""
+    """Greedy accuracy, Pass@n (when sampled) and KL drift (when measured) — mean over seeds, min–max band —
+    against seconds and against completions."""
     from trl_es.evaluation.report import pyplot
 
     plt = pyplot()
-    figure, axes = plt.subplots(2, 2, figsize=(10, 7), sharey="row")
+    first = results[0]["points"][0]
+    metrics = ["greedy", *[key for key in (f"pass@{TASK['samples']}", "kl_drift") if key in first]]
+    labels = {"greedy": "held-out greedy accuracy", "kl_drift": "KL drift from the base (off-task text)"}
+    figure, axes = plt.subplots(len(metrics), 2, figsize=(10, 3.5 * len(metrics)), sharey="row", squeeze=False)
     for method in dict.fromkeys(r["method"] for r in results):
         runs = [r["points"] for r in results if r["method"] == method]
         n = min(len(points) for points in runs)
-        for row, metric in enumerate(("greedy", f"pass@{TASK['samples']}")):
+        for row, metric in enumerate(metrics):
             for col, x_name in enumerate(("seconds", "completions")):
                 xs = [sum(points[k][x_name] for points in runs) / len(runs) for k in range(n)]
                 values = [[points[k][metric] for points in runs] for k in range(n)]
@@ -158,7 +178,7 @@ def plot(results: list[dict], path: str) -> None:
                 axes[row][col].fill_between(xs, [min(v) for v in values], [max(v) for v in values],
                                             color=line.get_color(), alpha=0.2)  # fmt: skip
                 axes[row][col].set_xlabel("wall-clock seconds" if x_name == "seconds" else "completions generated")
-                axes[row][col].set_ylabel("held-out greedy accuracy" if metric == "greedy" else f"held-out {metric}")
+                axes[row][col].set_ylabel(labels.get(metric, f"held-out {metric}"))
     axes[0][0].legend()
     figure.suptitle(f"{TASK['name']}, SmolLM2-135M-Instruct: mean over seeds, band = min–max")
     figure.tight_layout()
@@ -178,7 +198,8 @@ def main() -> None:
         "--report: only these methods of the files)",
     )
     parser.add_argument("--task", default=TASK["name"], help="a built-in task (trained and scored)")
-    parser.add_argument("--samples", type=int, default=TASK["samples"], help="sampled completions per problem")
+    parser.add_argument("--samples", type=int, default=TASK["samples"], help="sampled completions per problem "
+                        "(0: greedy accuracy and KL drift only)")  # fmt: skip
     parser.add_argument("--temperature", type=float, default=TASK["temperature"], help="of the sampled scoring")
     parser.add_argument("--out", default="outputs/learning")
     parser.add_argument("--plot", default="docs/img/learning_curves.png")
@@ -223,8 +244,7 @@ def main() -> None:
                 sys.exit(f"{method} seed {seed} failed:\n{done.stderr[-3000:]}")
             results.append({"method": method, "seed": seed, "points": json.loads(line.removeprefix("RESULT "))})
             last = results[-1]["points"][-1]
-            top = f"pass@{options.samples}"
-            print(f"{method} seed {seed}: greedy {last['greedy']:.3f}, {top} {last[top]:.3f} after "
+            print(f"{method} seed {seed}: greedy {last['greedy']:.3f}, KL drift {last['kl_drift']:.4f} after "
                   f"{last['step']} steps, {last['seconds']:.0f} s", flush=True)  # fmt: skip
             with open(os.path.join(options.out, "results.json"), "w") as file:  # after every run: nothing is lost
                 json.dump({"minutes": options.minutes, "marks": options.marks, "task": dict(TASK), "results": results},
@@ -233,29 +253,34 @@ def main() -> None:
 
 
 def report(results: list[dict], methods: list[str], plot_path: str) -> None:
-    """The plot and, per method and mark, the mean and min–max over the seeds."""
+    """The plot and, per method and mark, the mean (and min–max) over the seeds of every measured metric."""
     plot(results, plot_path)
-    n = TASK["samples"]
-    maj = f"maj@{n}" if all(f"maj@{n}" in r["points"][0] for r in results) else None
-    print(f"\n| method | mark | seconds | completions | greedy (min–max) | Pass@1 | Pass@{n} (min–max) |"
-          + (f" Maj@{n} | entropy |" if maj else ""))  # fmt: skip
-    print("|---|---:|---:|---:|---|---:|---|" + ("---:|---:|" if maj else ""))
+    n, first = TASK["samples"], results[0]["points"][0]
+    columns = [("greedy (min–max)", lambda at: span(at, "greedy"))]
+    if f"pass@{n}" in first:
+        columns += [("Pass@1", lambda at: f"{mean(at, 'pass@1'):.3f}"), (f"Pass@{n} (min–max)", lambda at: span(at, f"pass@{n}"))]  # fmt: skip
+    if f"maj@{n}" in first:
+        columns += [(f"Maj@{n}", lambda at: f"{mean(at, f'maj@{n}'):.3f}"), ("entropy", lambda at: f"{mean(at, 'entropy'):.3f}")]  # fmt: skip
+    if "kl_drift" in first:
+        columns += [("KL drift (min–max)", lambda at: span(at, "kl_drift", ".4f"))]
+    print("\n| method | mark | seconds | completions | " + " | ".join(name for name, _ in columns) + " |")
+    print("|---|---:|---:|---:|" + "---|" * len(columns))
     for method in methods:
         runs = [r["points"] for r in results if r["method"] == method]
         for k in range(min(len(points) for points in runs)):
             at = [points[k] for points in runs]
-            print(f"| {method} | {k + 1} | {mean(at, 'seconds'):.0f} | {mean(at, 'completions'):.0f} | "
-                  f"{span(at, 'greedy')} | {mean(at, 'pass@1'):.3f} | {span(at, f'pass@{n}')} |"
-                  + (f" {mean(at, maj):.3f} | {mean(at, 'entropy'):.3f} |" if maj else ""))  # fmt: skip
+            cells = " | ".join(cell(at) for _, cell in columns)
+            print(f"| {method} | {k + 1} | {mean(at, 'seconds'):.0f} | {mean(at, 'completions'):.0f} | {cells} |")
 
 
 def mean(points: list[dict], key: str) -> float:
     return sum(p[key] for p in points) / len(points)
 
 
-def span(points: list[dict], key: str) -> str:
+def span(points: list[dict], key: str, form: str = ".3f") -> str:
     """Mean (min–max) over the seeds."""
-    return f"{mean(points, key):.3f} ({min(p[key] for p in points):.3f}–{max(p[key] for p in points):.3f})"
+    low, high = min(p[key] for p in points), max(p[key] for p in points)
+    return f"{mean(points, key):{form}} ({low:{form}}–{high:{form}})"
 
 
 if __name__ == "__main__":
