@@ -2,7 +2,7 @@
 
     python benchmarks/learning.py [--minutes 10] [--marks 5] [--seeds 0,1,2] [--methods grpo,es] [--out D]
     python benchmarks/learning.py --task small_sums_last --samples 32 --temperature 0.6   # the research's protocol
-    python benchmarks/learning.py --methods es,anchor-0.05,anchor-0.2 --samples 0   # anchored decay: learning vs drift
+    python benchmarks/learning.py --methods es,anchor-0.1,anchor-0.3 --samples 0   # anchored decay: learning vs drift
 
 Every run starts from SmolLM2-135M-Instruct and trains on small sums (`first_integer_reward`, 12 new tokens) for
 `--minutes` of wall clock. At `--marks` evenly spaced points of that budget the weights are saved (the saving time
@@ -55,8 +55,8 @@ SETTINGS = {
         "per_device_train_batch_size": 4,
     },
     "lowrank-n32": {"es_search_space": "lowrank", "population_size": 32, "learning_rate": 8e-3},
-    "anchor-0.05": {"es_anchor_decay": 0.05},
-    "anchor-0.2": {"es_anchor_decay": 0.2},
+    "anchor-0.1": {"es_anchor_decay": 0.1},
+    "anchor-0.3": {"es_anchor_decay": 0.3},
 }
 """ES variants (overrides of `ES`). `antithetic-ranks-scaled` triples α: 8 centered ranks have std 0.33 where
 z-scores have 1, so it takes the demo's step size with rank shaping. `alpha-cosine` anneals α from 2× the demo's to
