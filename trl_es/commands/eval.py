@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--out-dir", default="outputs/eval", help="results, records, tables and plots")
     parser.add_argument("--use-vllm", action="store_true", help="generate with an in-process vLLM engine (each model "
-                        "in turn; every completion under its own seed; token entropy scored afterwards by the model)")  # fmt: skip
+                        "in turn; every completion under its own seed; token entropy scored afterwards by the "
+                        "model)")  # fmt: skip
     options = parser.parse_args(argv)
     k_values = None
     if options.k is not None:

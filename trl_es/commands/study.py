@@ -9,8 +9,8 @@ calibrated settings (N=8, σ=5e-3, α=5e-3, 8 prompts per step, greedy members, 
 `--es-anchor-decay λ` pulls it toward the base after each update).
 `grpo-es` continues the `grpo` result with ES for another budget, `es-grpo` the `es` result with GRPO: two budgets
 in all. Then the base and every result are evaluated on the task's held-out problems with the research's sampling
-(`trl_es.evaluation`, through vLLM with `--use-vllm`: temperature 0.6, `--temperature` to change it; Pass@K and Maj@K for the research's K = 1, 16, 32
-up to `--n`; mean token entropy) and every update is measured against the base
+(`trl_es.evaluation`, through vLLM with `--use-vllm`: temperature 0.6, `--temperature` to change it; Pass@K and
+Maj@K for the research's K = 1, 16, 32 up to `--n`; mean token entropy) and every update is measured against the base
 (`trl_es.research.sparse.update_statistics`: relative L2 and s_τ; `trl_es.research.analysis`: the cosine between the ES and GRPO
 updates, KL drift on a fixed off-task text sample). With `--heldout gpqa,mbpp,…` the base and every result are also
 evaluated on those tasks (the same sampling; `--max-completion-length` if given, else each task's; DIR/heldout/):
