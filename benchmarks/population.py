@@ -80,8 +80,9 @@ def report(results: dict, beta: float, tolerance: float, plot: str | None) -> No
         figure, axes = plt.subplots(1, len(results["runs"]), figsize=(6 * len(results["runs"]), 4), squeeze=False)
         for ax, (model, runs) in zip(axes[0], results["runs"].items(), strict=True):
             for size in sorted(runs, key=int):
-                ax.plot(range(1, len(runs[size]) + 1), runs[size], alpha=0.25)
-                ax.plot(range(1, len(runs[size]) + 1), smoothed(runs[size], beta), label=f"N={size}")
+                steps = range(1, len(runs[size]) + 1)
+                (line,) = ax.plot(steps, smoothed(runs[size], beta), label=f"N={size} (smoothed)")
+                ax.plot(steps, runs[size], alpha=0.25, color=line.get_color())
             ax.set(title=model, xlabel="ES step (equal updates)", ylabel="population mean reward")
             ax.legend()
         figure.tight_layout()
