@@ -31,23 +31,36 @@ class EntropyRecorder(LogitsProcessor):
 
 
 @torch.no_grad()
+def completion_logits(model, prompts: list[list[int]], completions: list[list[int]], pad_token_id: int = 0) -> list:
+    """Teacher forcing: for each (prompt, completion) pair of token ids, the model's next-token logits (float32) at
+    every completion token — row j is the distribution that drew completion token j — from one right-padded forward
+    pass in eval mode."""
+    rows = [prompt + completion for prompt, completion in zip(prompts, completions, strict=True)]
+    input_ids = torch.full((len(rows), max(map(len, rows))), pad_token_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    for r, ids in enumerate(rows):
+        input_ids[r, : len(ids)], attention[r, : len(ids)] = torch.tensor(ids), 1
+    device, training = next(model.parameters()).device, model.training
+    model.eval()
+    try:
+        logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits.float()
+    finally:
+        model.train(training)
+    starts = [len(prompt) - 1 for prompt in prompts]  # the logits that drew each completion's first token
+    return [logits[r, start : start + len(c)] for r, (start, c) in enumerate(zip(starts, completions, strict=True))]
+
+
 def completion_entropy_sums(
     model, rows: list[list[int]], completion_ids: list[list[int]], batch_size: int = 16
 ) -> list[float]:
     """Σ over each completion's tokens of H(π(·|prompt, earlier completion tokens)), scored by teacher forcing
-    (right-padded batches, one forward each): what `EntropyRecorder` records while generating, for completions
-    generated elsewhere (vLLM)."""
-    device, sums = model.device, []
+    (`completion_logits`, `batch_size` rows a forward): what `EntropyRecorder` records while generating, for
+    completions generated elsewhere (vLLM)."""
+    sums = []
     for start in range(0, len(rows), batch_size):
-        prompts, completions = rows[start : start + batch_size], completion_ids[start : start + batch_size]
-        sequences = [prompt + completion for prompt, completion in zip(prompts, completions, strict=True)]
-        width = max(map(len, sequences))
-        input_ids = torch.tensor([seq + [0] * (width - len(seq)) for seq in sequences], device=device)
-        mask = torch.tensor([[1] * len(seq) + [0] * (width - len(seq)) for seq in sequences], device=device)
-        entropy = token_entropy(model(input_ids=input_ids, attention_mask=mask).logits).double()
-        for row, (prompt, completion) in enumerate(zip(prompts, completions, strict=True)):
-            # the distribution that drew completion token j sits at position len(prompt) - 1 + j
-            sums.append(float(entropy[row, len(prompt) - 1 : len(prompt) - 1 + len(completion)].sum()))
+        end = start + batch_size
+        sums += [float(token_entropy(logits).double().sum()) for logits in
+                 completion_logits(model, rows[start:end], completion_ids[start:end])]  # fmt: skip
     return sums
 
 

@@ -40,6 +40,7 @@ from ..es.seeds import (
     diagnose_sampling_seed,
 )
 from ..es.space import Direction
+from ..generation.transformers_backend import completion_logits
 
 
 OBJECTIVES = ("reward", "logprob")
@@ -109,27 +110,14 @@ def mean_logprobs(probe: Probe, samples: list) -> list[float]:
     prompts = [ids for sample in samples for ids in probe.tokenize(sample.prompts)]
     completions = [ids for sample in samples for ids in sample.completion_ids]
     masks = [m for s in samples for m in (s.tool_mask or [[1] * len(ids) for ids in s.completion_ids])]
-    rows = [p + c for p, c in zip(prompts, completions, strict=True)]
-    input_ids = torch.full((len(rows), max(map(len, rows))), probe.pad_token_id, dtype=torch.long)
-    attention, scored = torch.zeros_like(input_ids), torch.zeros_like(input_ids, dtype=torch.bool)
-    for r, (prompt, ids, mask) in enumerate(zip(prompts, rows, masks, strict=True)):
-        input_ids[r, : len(ids)], attention[r, : len(ids)] = torch.tensor(ids), 1
-        scored[r, len(prompt) : len(ids)] = torch.tensor(mask, dtype=torch.bool)
-    device = next(probe.model.parameters()).device
-    training = probe.model.training
-    probe.model.eval()
-    try:
-        logits = probe.model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits[:, :-1]
-    finally:
-        probe.model.train(training)
-    logits = logits.float()
-    targets = input_ids[:, 1:, None].to(device)
-    logp = (logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1)).cpu().double()
-    scored, per_sample, means = scored[:, 1:], len(rows) // len(samples), []
-    for k in range(len(samples)):
-        part = slice(k * per_sample, (k + 1) * per_sample)
-        means.append(float(logp[part][scored[part]].mean()))
-    return means
+    logp = []
+    for logits, ids, mask in zip(completion_logits(probe.model, prompts, completions, probe.pad_token_id),
+                                 completions, masks, strict=True):  # fmt: skip
+        targets = torch.tensor(ids, device=logits.device)[:, None]
+        row = (logits.gather(-1, targets).squeeze(-1) - logits.logsumexp(-1)).cpu().double()
+        logp.append(row[torch.tensor(mask, dtype=torch.bool)])
+    per_sample = len(completions) // len(samples)
+    return [float(torch.cat(logp[k * per_sample : (k + 1) * per_sample]).mean()) for k in range(len(samples))]
 
 
 def measure(
