@@ -168,8 +168,20 @@ def main(out_dir: str, runs: list[dict]) -> bool:
         assert world is group, f"after {run}: the process group accelerate made was destroyed"
         if not ok:
             break
-    (out / f"hashes-rank{rank}.json").write_text(json.dumps(hashes, indent=1))
+    (out / f"hashes-rank{rank}.tmp").write_text(json.dumps(hashes, indent=1))
+    os.replace(out / f"hashes-rank{rank}.tmp", out / f"hashes-rank{rank}.json")  # whole, or not there
+    if not ok and run.get("fault") == "raise":
+        wait_for_peers(out)
     return ok
+
+
+def wait_for_peers(out: Path, seconds: float = 60):
+    """After a run every process failed alike, each waits (up to `seconds`) until every process has written its
+    files: the launcher ends the others as soon as one exits, which could cut a peer's writes short."""
+    ranks = range(int(os.environ.get("WORLD_SIZE", "1")))
+    deadline = time.monotonic() + seconds
+    while not all((out / f"hashes-rank{r}.json").is_file() for r in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":
