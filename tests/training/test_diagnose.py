@@ -126,3 +126,6 @@ def test_the_command_writes_the_records_and_the_table(tmp_path, tiny_model_dir, 
     assert "κ_base" in capsys.readouterr().out
     assert cli(["diagnose", "--model", tiny_model_dir, "--task", "small_sums", "--objective", "kl"]) == 1
     assert "--objective takes a comma-separated list of reward, logprob" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # vLLM holds the members, the scoring model stays at θ
+        cli(["diagnose", "--model", tiny_model_dir, "--task", "small_sums", "--use-vllm"])
+    assert "--use-vllm: the logprob objective scores with the transformers model" in capsys.readouterr().err

@@ -69,6 +69,12 @@ def test_commonsenseqa_loader_reward_and_hub_layout(tmp_path):
         0.0,
     ]
     assert choice_answer("Answer: C ... Answer: D") == "D"
+    # SmolLM2-Instruct's answers: a choice restated, once (its letter) or in a list of several (no answer)
+    assert [choice_answer(c) for c in [
+        "A. complete job", "(B) water\n\nFish live in water.", "C) kill animals", "The correct choice is C. kill",
+        "A. complete job\nB. learn from each other", "A. complete job\nA. complete job\nD. wear hats",
+        "This is the answer to the question.", "Consider each:\nB. water", "Bank. It is A.",
+    ]] == ["A", "B", "C", "C", None, None, None, None, None]  # fmt: skip
     # the hub's layout (question string, choices {label, text}) through load_dataset on a directory, as for a hub id
     folder = tmp_path / "csqa"
     folder.mkdir()

@@ -62,6 +62,16 @@ def test_colocate_evaluation_equals_transformers_evaluation(colocate):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+def test_the_diagnostic_through_vllm_measures_the_transformers_values(colocate):
+    """`trl-es diagnose --use-vllm`'s measurement: members formed inside vLLM give, greedy, the rewards X0, X± the
+    transformers path gives (and θ comes back bitwise, or `measure` raises); the logprob objective is refused."""
+    assert colocate["diagnose_vllm"] == colocate["diagnose_hf"]
+    assert len(colocate["diagnose_hf"]) == 3 and any(len(set(row)) > 1 for row in colocate["diagnose_hf"])
+    assert "the logprob objective scores with the transformers model" in colocate["diagnose_logprob_error"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_colocate_member_weights_equal_transformers_perturbation(colocate):
     """Members are written into vLLM's own weights in place (no reload). For each member seed, vLLM's weights are the
     HF path's θ + σ·ε bitwise (the fused qkv rows, the embedding, the norms); its completions equal transformers' on

@@ -125,6 +125,18 @@ def colocate(out: Path) -> dict:
         {k: v for k, v in t.evaluate(eval_dataset).items() if k != "eval_runtime"} for t in (hf, vl)
     )
 
+    # the diagnostic through vLLM, members built inside the engine: the transformers path's values (greedy)
+    from trl_es.research.diagnose import Probe, measure
+
+    rows = [[{"prompt": prompt} for prompt in PROMPTS[i : i + 2]] for i in (0, 2, 4)]
+    results["diagnose_hf"], results["diagnose_vllm"] = (
+        measure(Probe.of(t, 5), rows, [0.05], ["reward"], ["common"])["reward", "common", 0.05].tolist() for t in (hf, vl)
+    )
+    try:
+        measure(Probe.of(vl, 5), rows, [0.05], ["logprob"], ["common"])
+    except ValueError as error:
+        results["diagnose_logprob_error"] = str(error)
+
     # save_model writes HF names, which transformers loads back to the trainer's weights
     vl.save_model(str(out / "saved"))
     saved = load_file(str(out / "saved" / "model.safetensors"))

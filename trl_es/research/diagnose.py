@@ -52,14 +52,15 @@ STATISTICS = ("corr_base", "corr_pair", "kappa_base", "kappa_pair")
 class Probe:
     """The run's member machinery, as ESTrainer builds it: `space` forms members over the weights backend `weights`,
     `rollout` generates (`trl_es.rollout.Rollout`), `reward(rows, completions)` is the completions' mean combined
-    reward, `model` scores log-probabilities of the token ids `tokenize` gives; `n` completions per prompt; `seed`
+    reward, `model` scores log-probabilities of the token ids `tokenize` gives (None when vLLM generates: the
+    transformers model then stays at θ); `n` completions per prompt; `seed`
     derives every direction, batch and sampling seed (`trl_es.es.seeds`)."""
 
     space: object
     weights: object
     rollout: Callable
     reward: Callable[[list[dict], object], float]
-    model: torch.nn.Module
+    model: torch.nn.Module | None
     tokenize: Callable[[list], list[list[int]]]
     pad_token_id: int
     n: int
@@ -74,7 +75,7 @@ class Probe:
             weights=trainer.weights,
             rollout=trainer.rollout,
             reward=lambda rows, completions: float(functions.combine(functions.score(rows, completions)).nanmean()),
-            model=trainer.model,
+            model=None if trainer.args.use_vllm else trainer.model,  # vLLM's engine holds the members, not it
             tokenize=trainer.generation.tokenize,
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
             n=trainer.args.num_generations,
@@ -126,6 +127,9 @@ def measure(
     """(X0, X+, X−) of every direction (`rows[d]`: its batch) for each (objective, coupling, σ): a (P, 3) float64
     tensor each. θ's common rollouts are X0 of both couplings; each member is formed once per (direction, σ, sign),
     and generates (scores) the samples of both couplings in one call (forward pass)."""
+    if "logprob" in objectives and probe.model is None:
+        raise ValueError("the logprob objective scores with the transformers model, which does not hold the members "
+                         "when vLLM generates: measure it without use_vllm")  # fmt: skip
     space, seed = probe.space, probe.seed
     keys = ("common",) + (("plus", "minus") if "independent" in couplings else ())
     values = {(o, c, s): [] for o in objectives for c in couplings for s in sigmas}

@@ -2,7 +2,9 @@
 
 Prompt template: the question, then one line per choice (`A. bank`), then `Answer with the letter of the correct
 choice, as "Answer: X".`, as one user message (or plain text). Answer column `answer` (a letter A–E). The
-completion's letter is the one after its last `Answer:`, else a completion that is just a letter (`B`, `B.`, `(B)`).
+completion's letter is the one after its last `Answer:` (or "answer is", "choice is"), else a completion that is just
+a letter (`B`, `B.`, `(B)`), else the label of a completion that starts with one choice and names no other at a line's
+start (`B. water`, `(B) water`, as small instruct models answer; a list of several choices is no answer).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from .data import as_prompt, completion_text, load_rows, local_data, require_col
 
 INSTRUCTION = 'Answer with the letter of the correct choice, as "Answer: X".'
 _LOCAL_FILES = {"train": "commonsenseqa/train_rand_split.jsonl", "validation": "commonsenseqa/dev_rand_split.jsonl"}
-_AFTER_ANSWER = re.compile(r"(?i:answer)\s*(?:(?i:is)\s*)?:?\s*\(?([A-E])\b")
+_AFTER_ANSWER = re.compile(r"(?i:answer|choice)\s*(?:(?i:is)\s*)?:?\s*\(?([A-E])\b")
 _JUST_A_LETTER = re.compile(r"\s*\(?([A-E])\)?[.:]?\s*")
+_CHOICE_LINE = re.compile(r"^[ \t]*\(?([A-E])[.):][ \t]", re.MULTILINE)  # `B. water`, `(B) water` at a line's start
 
 
 def commonsenseqa(split: str = "validation", source: str | None = None, conversational: bool = True):
@@ -48,7 +51,11 @@ def extract_answer(text: str) -> str | None:
     if found:
         return found[-1]
     alone = _JUST_A_LETTER.fullmatch(text)
-    return alone.group(1) if alone else None
+    if alone:
+        return alone.group(1)
+    lines = _CHOICE_LINE.findall(text)
+    starts_with_one = bool(lines) and _CHOICE_LINE.match(text.lstrip()) is not None and set(lines) == {lines[0]}
+    return lines[0] if starts_with_one else None
 
 
 def choice_reward(completions, answer, **kwargs) -> list[float]:

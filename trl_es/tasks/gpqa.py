@@ -3,8 +3,8 @@
 Prompt template: the question, a blank line, the four options as `(A) …` to `(D) …` in an order drawn from a seed
 derived from the question (the first 8 bytes of its SHA-256, so every run and machine shows the same order), then
 `Think step by step, then give the letter of the correct choice on the last line, as "Answer: X".`, as one user
-message (or plain text). Answer column `answer` (A–D). The completion's letter is read as CommonsenseQA's (after its
-last `Answer:`, else a completion that is just a letter). The authors ask that the questions never appear in plain
+message (or plain text). Answer column `answer` (A–D). The completion's letter is read as CommonsenseQA's
+(`trl_es.tasks.commonsenseqa.extract_answer`). The authors ask that the questions never appear in plain
 text online, so the data is read from their password-protected zip (in memory), a user's CSV, or the gated Hub set.
 """
 
