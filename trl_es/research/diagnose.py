@@ -53,8 +53,8 @@ class Probe:
     """The run's member machinery, as ESTrainer builds it: `space` forms members over the weights backend `weights`,
     `rollout` generates (`trl_es.rollout.Rollout`), `reward(rows, completions)` is the completions' mean combined
     reward, `model` scores log-probabilities of the token ids `tokenize` gives (None when vLLM generates: the
-    transformers model then stays at θ); `n` completions per prompt; `seed`
-    derives every direction, batch and sampling seed (`trl_es.es.seeds`)."""
+    transformers model then stays at θ); `n` completions per prompt; `seed` derives every direction, batch and
+    sampling seed (`trl_es.es.seeds`)."""
 
     space: object
     weights: object
