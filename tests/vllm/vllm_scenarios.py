@@ -130,7 +130,8 @@ def colocate(out: Path) -> dict:
 
     rows = [[{"prompt": prompt} for prompt in PROMPTS[i : i + 2]] for i in (0, 2, 4)]
     results["diagnose_hf"], results["diagnose_vllm"] = (
-        measure(Probe.of(t, 5), rows, [0.05], ["reward"], ["common"])["reward", "common", 0.05].tolist() for t in (hf, vl)
+        measure(Probe.of(t, 5), rows, [0.05], ["reward"], ["common"])["reward", "common", 0.05].tolist()
+        for t in (hf, vl)
     )
     try:
         measure(Probe.of(vl, 5), rows, [0.05], ["logprob"], ["common"])
