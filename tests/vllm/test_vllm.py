@@ -68,6 +68,9 @@ def test_the_diagnostic_through_vllm_measures_the_transformers_values(colocate):
     assert colocate["diagnose_vllm"] == colocate["diagnose_hf"]
     assert len(colocate["diagnose_hf"]) == 3 and any(len(set(row)) > 1 for row in colocate["diagnose_hf"])
     assert "the logprob objective scores with the transformers model" in colocate["diagnose_logprob_error"]
+    common, independent = colocate["diagnose_command"]  # the command on a new trainer: a record per coupling
+    assert len(common) == len(independent) == 3  # directions
+    assert [x0 for x0, _, _ in common] == [x0 for x0, _, _ in independent]  # θ's rollouts are X0 of both
 
 
 @pytest.mark.slow

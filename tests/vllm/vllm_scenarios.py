@@ -210,6 +210,17 @@ def colocate(out: Path) -> dict:
 
     # a reward function that fails in the middle of step 1: the error surfaces, θ is intact here and in vLLM
     failing_run(out, model_dir, 6, results)
+
+    # `trl-es diagnose --use-vllm` as a user runs it: a new trainer, whose engine no training step has started
+    from trl_es.commands import diagnose
+
+    argv = ["--model", model_dir, "--task", "small_sums", "--reward", "helpers.upper_vocab_share", "--objective",
+            "reward", "--directions", "3", "--prompts", "2", "--max-completion-length", "4", "--sigma", "0.2",
+            "--resamples", "20", "--use-vllm", "--out", str(out / "diagnose")]  # fmt: skip
+    try:
+        results["diagnose_command"] = [record["values"] for record in diagnose.main(argv)]
+    except Exception as error:
+        results["diagnose_command"] = f"{type(error).__name__}: {error}"
     return results
 
 

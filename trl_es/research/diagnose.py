@@ -133,6 +133,7 @@ def measure(
     space, seed = probe.space, probe.seed
     keys = ("common",) + (("plus", "minus") if "independent" in couplings else ())
     values = {(o, c, s): [] for o in objectives for c in couplings for s in sigmas}
+    probe.weights.start()  # vLLM: receive θ, as a training step's first act
     sigma, start = getattr(space, "sigma", None), probe.weights.fingerprint()
     probe.weights.capture()
     try:
