@@ -28,11 +28,12 @@ def model_dir(tmp_path_factory, tokenizer_dir) -> str:
 
 
 def user_runs(guard_models: Path, model_dir: str) -> list[dict]:
-    """The user script's runs of both launches: the logged run, and a LoRA adapter on the guard's model loaded in 8
-    bits (its linears are wide enough for bitsandbytes)."""
+    """The user script's runs of both launches: the logged run, a LoRA adapter on the guard's model loaded in 8
+    bits (its linears are wide enough for bitsandbytes), and the logged run computed in bfloat16 (bf16)."""
     return [
         {"name": "logged", "model": model_dir},
         {"name": "qlora", "model": str(guard_models / "model"), "quantized": True},
+        {"name": "bf16", "model": model_dir, "overrides": {"bf16": True}},
     ]
 
 

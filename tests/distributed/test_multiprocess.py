@@ -127,6 +127,15 @@ def test_two_processes_give_the_one_process_adapter_on_an_8bit_base(one_process,
     assert len(rewards) == 3 and len(set(rewards)) > 1  # members differ: the adapter is perturbed and moves
 
 
+def test_two_processes_give_the_one_process_weights_with_bf16(one_process, two_processes):
+    """Members computed in bfloat16 (bf16=True), θ in float32: 2 processes end with the 1-process run's weights."""
+    expected = rank_weights(one_process / "bf16", 0)
+    assert all(p.dtype == torch.float32 for p in expected.values())
+    assert any(not torch.equal(p, rank_weights(one_process / "logged", 0)[n]) for n, p in expected.items())
+    for rank in (0, 1):
+        assert_equal_weights(rank_weights(two_processes / "bf16", rank), expected)
+
+
 def write_recipe(folder: Path, model_dir: str) -> None:
     """The reference run's settings as a `trl-es es` recipe, with the prompts as a local JSONL file."""
     (folder / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"Count to {n}:"}) for n in range(1, 9)))
@@ -222,3 +231,32 @@ def test_deepspeed_zero_two_processes_give_the_one_process_weights(tmp_path, mod
     assert_equal_weights(dict(saved.named_parameters()), expected)
     if stage == 3:
         assert_equal_weights(rank_weights(tmp_path / "resumed", 0), expected)
+
+
+def trl_accelerate_config(name: str, folder: Path) -> Path:
+    """TRL's own accelerate config `name` (trl/accelerate_configs), for 2 CPU processes without mixed precision."""
+    from importlib import resources
+
+    import yaml
+
+    config = yaml.safe_load(resources.files("trl.accelerate_configs").joinpath(f"{name}.yaml").read_text())
+    config.update(num_processes=2, use_cpu=True, mixed_precision="no")
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_fsdp2_two_processes_give_the_one_process_weights(tmp_path, model_dir, one_process):
+    """TRL's own fsdp2 config: ES runs FSDP's processes unwrapped, θ whole on each. The config's
+    `fsdp_cpu_ram_efficient_loading` has transformers load the weights on process 0 only (zeros on the others, which
+    trained silently on zeros before): ES shares process 0's weights first, so both end with the 1-process run's."""
+    config = trl_accelerate_config("fsdp2", tmp_path)
+    result = run_script(tmp_path, [{"name": "fsdp", "model": model_dir}], backend=("--config_file", str(config)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs, reference = results(tmp_path / "fsdp"), results(one_process / "logged")[0]
+    assert {r: run["num_processes"] for r, run in runs.items()} == {0: 2, 1: 2}
+    steps = [entry["reward"] for entry in runs[1]["log_history"] if "reward" in entry]
+    assert steps == [entry["reward"] for entry in reference["log_history"] if "reward" in entry]
+    expected = rank_weights(one_process / "logged", 0)
+    for rank in (0, 1):
+        assert_equal_weights(rank_weights(tmp_path / "fsdp", rank), expected)

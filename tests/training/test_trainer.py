@@ -300,3 +300,17 @@ def test_iterable_dataset_gives_the_same_prompts_in_order(tmp_path, tiny_model_d
     ESTrainer(tiny_model_dir, record, args=args, train_dataset=prompt_dataset.to_iterable_dataset()).train()
     # every member of a step sees the step's prompts; unshuffled, steps read the dataset in its order, 4 rows a time
     assert seen == ["Count to 1:", "Count to 1:", "Count to 5:", "Count to 5:"]
+
+
+def test_fsdp1_on_cpu_is_refused_before_any_weights_load(tmp_path, monkeypatch, prompt_dataset):
+    """TRL's fsdp1 config on CPU: Accelerate cannot initialize FSDP1's parameters there; ESTrainer says so, naming
+    the config to use, before it loads a model (the path below does not exist)."""
+    args = config(tmp_path, use_cpu=True)
+    for variable, value in {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": "1",
+        "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+    }.items():
+        monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match="FSDP1 with sync_module_states cannot run on cpu.*fsdp2"):
+        ESTrainer(str(tmp_path / "not-loaded"), even_token_share, args=args, train_dataset=prompt_dataset)

@@ -103,3 +103,26 @@ def test_gradient_accumulation_is_kept_as_more_prompts_per_step(tmp_path):
     args = ESConfig.from_grpo_config(grpo)
     assert args.gradient_accumulation_steps == 4
     assert ESConfig(str(tmp_path), gradient_accumulation_steps=4).gradient_accumulation_steps == 4
+
+
+def test_every_field_shared_with_grpo_defaults_to_the_installed_grpo_configs_value(tmp_path):
+    """Field by field over the installed TRL's GRPOConfig (TrainingArguments' fields included, GRPO's loss and
+    batching fields left out): ESConfig's default is GRPO's, except the documented DEFAULTS_UNLIKE_GRPO — so a TRL
+    release that moves a default is caught. bf16 is None in both and resolves apart on CPU only."""
+    from dataclasses import MISSING, fields
+
+    from trl_es.training.config import DEFAULTS_UNLIKE_GRPO, GRPO_ONLY_FIELDS
+
+    def default(cls, name):
+        spec = cls.__dataclass_fields__[name]
+        return spec.default_factory() if spec.default is MISSING else spec.default
+
+    shared = [f.name for f in fields(GRPOConfig) if f.name in ESConfig.__dataclass_fields__]
+    different = {
+        name
+        for name in shared
+        if name not in GRPO_ONLY_FIELDS and default(ESConfig, name) != default(GRPOConfig, name)
+    }
+    assert different | {"bf16"} == set(DEFAULTS_UNLIKE_GRPO)
+    assert ESConfig(str(tmp_path)).bf16 is False and GRPOConfig(str(tmp_path), use_cpu=True).bf16 is True
+    assert ESConfig(str(tmp_path), bf16=True, use_cpu=True).bf16 is True

@@ -173,6 +173,33 @@ def test_update_is_accumulated_in_fp32_and_cast_once(table, dtype):
         assert torch.equal(snapshot.copies[name], theta[name])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_float32_master_builds_members_in_its_precision_and_keeps_updates_below_the_tensors_resolution(table, dtype):
+    """Mixed precision (bf16/fp16): θ lives in a float32 master; the tensors hold the cast of θ, of a member
+    θ + σ·ε computed in float32, and of each update, which the master takes bitwise as a float32 run would — so
+    updates far below the tensors' resolution add up there instead of being rounded away."""
+    theta = make_params(torch.float32)
+    master = {n: p.detach().clone() for n, p in theta.items()}
+    tensors = {n: torch.nn.Parameter(p.detach().to(dtype)) for n, p in theta.items()}
+    mixed = LocalWeights(tensors, seed=0, table_size=CHUNK * 2, master=master)
+    exact = LocalWeights(theta, seed=0, table_size=CHUNK * 2)
+    mixed.capture(), exact.capture()
+    mixed.member(7, 1e-3)
+    for name, p in tensors.items():
+        expected = torch.add(master[name].view(-1), full_noise(mixed.table, 7, name, p.numel()), alpha=1e-3)
+        assert torch.equal(p.detach().view(-1), expected.to(dtype)), name
+    for step in range(5):  # each update ~1e-6: far below a bf16/fp16 weight's rounding step
+        coefficients = {100 + step: 1e-6, 200 + step: -5e-7}
+        mixed.update(coefficients), exact.update(coefficients)
+        mixed.capture(), exact.capture()
+    for name, p in tensors.items():
+        assert torch.equal(master[name], theta[name].detach()), name  # the float32 run's θ, bitwise
+        assert torch.equal(p.detach(), master[name].to(dtype)), name
+    assert not torch.equal(master["a.weight"].to(dtype), make_params(torch.float32)["a.weight"].detach().to(dtype))
+    mixed.member(9, 1e-3), mixed.restore()
+    assert all(torch.equal(p.detach(), master[n].to(dtype)) for n, p in tensors.items())
+
+
 def test_the_algorithm_layer_imports_without_transformers():
     """Every module of trl_es.es imports with torch alone: no transformers, TRL, cma or peft (Hyper-ES imports its
     extras when it runs), and nothing of the layers above."""

@@ -106,6 +106,18 @@ def test_colocate_without_views_copies_members_in_and_warns(colocate):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+def test_bf16_runs_a_bfloat16_engine_over_a_float32_theta(colocate):
+    """bf16=True: vLLM's engine computes in bfloat16; θ stays float32 in the trainer and in vLLM's workers (the run's
+    weights move, and the worker's θ is the trainer's, bitwise); a member inside vLLM is the bfloat16 cast of θ + σ·ε
+    computed in float32, and θ's cast is back after it."""
+    assert colocate["bf16_engine_dtype"] == "torch.bfloat16"
+    assert colocate["bf16_trainer_float32"] and colocate["bf16_moved"]
+    assert colocate["bf16_vllm_holds_theta"]
+    assert colocate["bf16_member_is_the_cast"] and colocate["bf16_restored"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_a_later_trainer_shuts_the_earlier_trainers_engine_down(colocate):
     """vLLM's parallel state is one per process: a trainer's engine shuts the one before it down when it starts (not
     whenever the earlier trainer is garbage collected), and the earlier trainer says so if asked to generate."""

@@ -211,6 +211,23 @@ def colocate(out: Path) -> dict:
     # a reward function that fails in the middle of step 1: the error surfaces, θ is intact here and in vLLM
     failing_run(out, model_dir, 6, results)
 
+    # bf16: a bfloat16 engine; θ stays float32 in the trainer and in the worker (its master); a member inside vLLM
+    # is the bfloat16 cast of θ + σ·ε computed in float32
+    half, results["bf16_rewards"], _ = run(out, model_dir, "vllm-bf16", use_vllm=True, bf16=True, use_cpu=True)
+    results["bf16_engine_dtype"] = str(extension(half).vllm_config.model_config.dtype)
+    results["bf16_trainer_float32"] = all(p.dtype == torch.float32 for p in half.model.parameters())
+    results["bf16_moved"] = fingerprint(half.model) != fingerprint(AutoModelForCausalLM.from_pretrained(model_dir))
+    results["bf16_vllm_holds_theta"] = half.weights.fingerprint() == fingerprint(half.model)
+    local = half.weights.local
+    local.capture()
+    half.weights.member(member_seed(3, 7, 0), 0.02)
+    local.member(member_seed(3, 7, 0), 0.02)
+    inside, q_proj = worker_model(half).model.layers[0].self_attn.qkv_proj.weight, half.model.model.layers[0].self_attn.q_proj.weight
+    results["bf16_member_is_the_cast"] = torch.equal(inside[: len(q_proj)], q_proj.detach().to(torch.bfloat16))
+    local.restore()
+    half.weights.center()
+    results["bf16_restored"] = torch.equal(inside[: len(q_proj)], q_proj.detach().to(torch.bfloat16))
+
     # `trl-es diagnose --use-vllm` as a user runs it: a new trainer, whose engine no training step has started
     from trl_es.commands import diagnose
 

@@ -30,6 +30,7 @@ import torch
 from trl.trainer.utils import get_config_model_id
 
 from ..es.noise import CHUNK, MAX_TABLE_SIZE
+from ..es.params import upcast
 from ..es.space import SEARCH_SPACES, anchor_pull, optimizer_header, rebuild_optimizer, step_optimizer
 from ..es.weights import LocalWeights, weights_hash
 from ..util.atomic import atomic_write_text
@@ -136,10 +137,18 @@ def new_chain(args, model, params, space, optimizer, model_source: str, new_adap
         sha256=weights_hash(dict(model.named_parameters())),
         es_adapter_only=args.es_adapter_only,
         peft_config=_jsonable(peft_config.to_dict()) if peft_config is not None else None,
-        model_dtype=str(model.dtype).removeprefix("torch."),
+        model_dtype=load_dtype(model, params),
         quantization=quantization_record(model),
     )
     return Chain(Header(base=base, **run_header(args, params, space, optimizer)))
+
+
+def load_dtype(model, params: dict) -> str:
+    """The dtype the base was loaded in: that of its floating-point parameters outside the ES parameters `params`
+    (which mixed precision upcasts to float32, `ESConfig.bf16`), else the model's."""
+    trained = {id(p) for p in params.values()}
+    others = (p.dtype for p in model.parameters() if id(p) not in trained and p.dtype.is_floating_point)
+    return str(next(others, model.dtype)).removeprefix("torch.")
 
 
 def _jsonable(value):
@@ -365,6 +374,9 @@ def load_base(path: str, header: dict) -> torch.nn.Module:
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(f"the chain's header.base.peft_config is not one peft can build: {error!r}") from error
         model = add_adapter(model, config, header["noise"]["seed"])
+    if header["dtype"] == "float32":  # a mixed-precision run trained a float32 θ over a half-precision base
+        trained = set(header["parameters"])
+        upcast({name: p for name, p in model.named_parameters() if name in trained})
     return model
 
 

@@ -55,24 +55,49 @@ def select_parameters(
     return trainable
 
 
+HALF_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@torch.no_grad()
+def upcast(params: dict[str, torch.nn.Parameter]) -> list[str]:
+    """Make every bfloat16/float16 tensor of `params` float32 in place (its values exact, on its device); returns the
+    names upcast. Mixed precision keeps θ and its updates in float32 this way (ESConfig.bf16)."""
+    upcast = [name for name, p in params.items() if p.dtype in HALF_PRECISION]
+    for name in upcast:
+        params[name].data = params[name].data.float()
+    return upcast
+
+
 class ParameterSnapshot:
     """An exact copy of θ kept beside the model (on `storage_device`, the host when there is an accelerator).
 
-    Members are built from it, `θ_i = θ + scale·ε_i` (one fused add per noise window), and `restore` copies it
-    back, so the model returns to θ bitwise whatever happened in between. Restoring by subtracting the noise
-    again is not exact (fp32 drifts ~1e-7 per member; bf16 by about the size of an ES update).
+    Members are built from it, `θ_i = θ + scale·ε_i` (one fused add per noise window, in the copy's precision, cast
+    once into the parameter), and `restore` copies it back, so the model returns to θ bitwise whatever happened in
+    between. Restoring by subtracting the noise again is not exact (fp32 drifts ~1e-7 per member; bf16 by about the
+    size of an ES update).
+
+    With `master` (θ in a wider dtype than the parameters, e.g. float32 for a bfloat16 engine) the copy *is* θ: the
+    parameters hold its cast, `capture` leaves it as it is, and updates are applied to it (`LocalWeights.update`).
     """
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], storage_device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        params: dict[str, torch.nn.Parameter],
+        storage_device: torch.device | str = "cpu",
+        master: dict[str, torch.Tensor] | None = None,
+    ):
         self.params = params
-        self.copies = {
+        self.is_master = master is not None
+        self.copies = master if master is not None else {
             name: torch.empty_like(p, device=storage_device, memory_format=torch.contiguous_format)
             for name, p in params.items()
-        }
+        }  # fmt: skip
 
     @torch.no_grad()
     def capture(self, names: Iterable[str] | None = None) -> None:
-        """Take θ from the model (the parameters `names`, default all)."""
+        """Take θ from the model (the parameters `names`, default all); a master copy is θ already."""
+        if self.is_master:
+            return
         for name in self.params if names is None else names:
             self.copies[name].copy_(self.params[name].detach())
 
@@ -85,7 +110,7 @@ class ParameterSnapshot:
     @torch.no_grad()
     def perturb(self, table: NoiseTable, seed: int, scale: float, names: Iterable[str] | None = None) -> None:
         """Set the model's parameters (those in `names`, default all) to θ + scale·ε(seed), computed from the
-        snapshot (never accumulated)."""
+        snapshot in its precision and cast once (never accumulated)."""
         for name in self.params if names is None else names:
             p = self.params[name]
             flat, base = p.data.view(-1), self.copies[name].view(-1)
@@ -93,5 +118,4 @@ class ParameterSnapshot:
                 if base.device == flat.device:
                     torch.add(base[a:b], window, alpha=scale, out=flat[a:b])
                 else:
-                    flat[a:b].copy_(base[a:b])
-                    flat[a:b].add_(window, alpha=scale)
+                    flat[a:b].copy_(base[a:b].to(flat.device).add_(window, alpha=scale))

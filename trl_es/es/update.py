@@ -64,26 +64,30 @@ def apply_update(
     coefficients: dict[int, float],
     decay: float = 0.0,
     names: list[str] | None = None,
+    into: dict[str, torch.Tensor] | None = None,
 ) -> float:
     """Write θ + Σ_s c_s ε(s) − decay·θ into the model's parameters (those in `names`, default all), with θ read
-    from `snapshot`.
+    from `snapshot`; `into`: other tensors to write it into instead (a master copy of θ, `LocalWeights.update`).
 
-    The sum is accumulated in float32 one noise window at a time and cast to the parameter dtype once.
-    The snapshot is left untouched, so an interrupted update can still be undone with `snapshot.restore()`.
-    Returns ‖Δθ‖₂ of the float32 update. A FloatingPointError, after which the caller restores θ, when a
-    coefficient or a written value is not finite.
+    The sum is accumulated in float32 one noise window at a time on the noise table's device, added to θ there
+    and cast to the target's dtype once. The snapshot is left untouched (unless it is `into`), so an interrupted
+    update can still be undone with `snapshot.restore()`. Returns ‖Δθ‖₂ of the float32 update. A
+    FloatingPointError, after which the caller restores θ, when a coefficient or a written value is not finite.
     """
     check_coefficients(coefficients)
-    squared_norm = 0.0
+    into = snapshot.params if into is None else into
+    device, squared_norm = table.values.device, 0.0
     for name in snapshot.params if names is None else names:
-        p = snapshot.params[name]
-        flat, base = p.data.view(-1), snapshot.copies[name].view(-1)
-        for a, b, delta in noise_sums(table, coefficients, name, flat.numel(), flat.device):
-            theta = base[a:b].to(flat.device)
+        flat, base = into[name].data.view(-1), snapshot.copies[name].view(-1)
+        for a, b, delta in noise_sums(table, coefficients, name, flat.numel(), device):
+            theta = base[a:b].to(device)
             if decay:
                 delta.add_(theta, alpha=-decay)
             squared_norm += float(delta.dot(delta))
-            torch.add(theta, delta, out=flat[a:b])
+            if flat.device == device:
+                torch.add(theta, delta, out=flat[a:b])
+            else:  # a master copy on the host: θ + Δ computed where the noise is, then copied
+                flat[a:b].copy_(delta.add_(theta))
             if not torch.isfinite(flat[a:b]).all():
                 raise not_finite(name, flat.dtype, coefficients)
     return squared_norm**0.5

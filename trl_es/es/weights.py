@@ -96,10 +96,22 @@ class TrainerWeights(WeightsBackend, Protocol):
 class LocalWeights:
     """θ in the tensors `params` themselves, with an exact copy of θ on `storage_device` (`ParameterSnapshot`) and
     the run's noise table on the parameters' device. Each method returns the names whose tensors it wrote, for a
-    caller that mirrors them elsewhere (the vLLM worker)."""
+    caller that mirrors them elsewhere (the vLLM worker).
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], seed: int, table_size: int, storage_device="cpu"):
+    With `master` (θ by name, in a wider dtype than `params`: float32 for a bfloat16 engine's tensors) θ lives in
+    the master, which is the exact copy: `params` hold the cast of θ or of a member θ + σ·ε computed in the
+    master's precision, and updates are applied to the master, so that updates below `params`' resolution add up."""
+
+    def __init__(
+        self,
+        params: dict[str, torch.nn.Parameter],
+        seed: int,
+        table_size: int,
+        storage_device="cpu",
+        master: dict[str, torch.Tensor] | None = None,
+    ):
         self.params, self.seed, self.table_size, self.storage_device = params, seed, table_size, storage_device
+        self.master = master
         self.snapshot: ParameterSnapshot | None = None
         self.table: NoiseTable | None = None
         self.changed: set[str] = set()  # names holding a member's values rather than θ
@@ -117,7 +129,9 @@ class LocalWeights:
     def capture(self, names: Iterable[str] | None = None) -> None:
         if self.snapshot is None:
             self.table = NoiseTable(self.seed, self.table_size, next(iter(self.params.values())).device)
-            self.snapshot = ParameterSnapshot(self.params, self.storage_device)
+            self.snapshot = ParameterSnapshot(self.params, self.storage_device, self.master)
+            if self.master is not None:
+                self.snapshot.restore()  # the tensors start as the cast of θ
         self.snapshot.capture(names)
         self.changed = set()
 
@@ -153,9 +167,13 @@ class LocalWeights:
 
     def update(self, coefficients: dict[int, float], decay: float = 0.0, names: list[str] | None = None) -> float:
         """`apply_update` from the snapshot: the snapshot stays θ until the next `capture`, so a failure can still be
-        undone with `restore`."""
+        undone with `restore`. A master takes the update too, once it has reached the tensors whole (no value
+        there non-finite), computed again in its own precision."""
         self.center()
-        return apply_update(self.snapshot, self.table, coefficients, decay=decay, names=names)
+        norm = apply_update(self.snapshot, self.table, coefficients, decay=decay, names=names)
+        if self.master is not None:
+            apply_update(self.snapshot, self.table, coefficients, decay=decay, names=names, into=self.master)
+        return norm
 
     def gradient(self, coefficients: dict[int, float], names: list[str] | None = None) -> float:
         """θ back in the tensors, and their `.grad` ← −Σ_s c_s ε(s) over `names` (`write_gradient`), for Trainer's

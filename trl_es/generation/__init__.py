@@ -8,7 +8,7 @@ from transformers import GenerationConfig
 
 from ..es.weights import LocalWeights
 from ..util.compat import SAMPLING_FIELDS
-from .base import Completions, Generation
+from .base import Completions, Generation, compute_dtype
 from .transformers_backend import TransformersGeneration
 from .vllm_backend import VLLMGeneration, VLLMWeights, start_engine
 from .vllm_engine import require_vllm
@@ -44,7 +44,9 @@ def make_backend(model, tokenizer, eos_token_ids, args, accelerator, params):
     generation_args = (model, tokenizer, generation_config(args, tokenizer, eos_token_ids), eos_token_ids)
     local = LocalWeights(params, args.seed, args.noise_table_size, storage_device="cpu")
     if not args.use_vllm:
-        return TransformersGeneration(*generation_args, args.chat_template_kwargs), local
+        return TransformersGeneration(
+            *generation_args, args.chat_template_kwargs, compute_dtype=compute_dtype(args)
+        ), local
     if args.vllm_mode == "colocate":  # a server runs vLLM in its own environment; the trainer only talks HTTP
         require_vllm()
     engine = start_engine(model, tokenizer, args, accelerator, params)
@@ -58,6 +60,7 @@ __all__ = [
     "TransformersGeneration",
     "VLLMGeneration",
     "VLLMWeights",
+    "compute_dtype",
     "generation_config",
     "make_backend",
     "require_vllm",

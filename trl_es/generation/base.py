@@ -7,8 +7,15 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field, fields
 
+import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 from trl.data_utils import is_conversational
+
+
+def compute_dtype(args) -> torch.dtype | None:
+    """The dtype members are computed in: bfloat16 or float16 with ESConfig's `bf16`/`fp16` (as GRPO's mixed
+    precision; autocast on the transformers path, vLLM's engine in it), else None (the weights' own)."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
 
 
 @dataclass

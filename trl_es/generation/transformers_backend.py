@@ -94,9 +94,14 @@ def greedy_config(config: GenerationConfig) -> GenerationConfig:
 
 class TransformersGeneration(Generation):
     """Generates in one left-padded batch with transformers' `generate` and cuts each completion after its first
-    EOS; records token entropies."""
+    EOS; records token entropies. With `compute_dtype` (bfloat16, float16) it generates under autocast in that dtype,
+    as GRPOTrainer does with bf16/fp16, the weights staying in their own."""
 
     records_entropy = True
+
+    def __init__(self, *args, compute_dtype: torch.dtype | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.compute_dtype = compute_dtype
 
     @torch.no_grad()
     def generate_ids(
@@ -127,7 +132,8 @@ class TransformersGeneration(Generation):
         was_training = self.model.training
         self.model.eval()
         try:
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            autocast = torch.autocast(device.type, self.compute_dtype, enabled=self.compute_dtype is not None)
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), autocast:
                 torch.manual_seed(seeds[0] if seeds else 0)  # only beam sampling draws from it
                 output = self.model.generate(
                     input_ids=input_ids.to(device),

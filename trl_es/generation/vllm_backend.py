@@ -26,7 +26,7 @@ from transformers import GenerationConfig
 
 from ..es.lowrank import lowrank_targets
 from ..es.weights import LocalWeights
-from .base import Generation
+from .base import Generation, compute_dtype
 from .vllm_engine import Colocated, Server, lora_settings
 
 
@@ -54,7 +54,8 @@ def start_engine(model, tokenizer, args, accelerator, params) -> Colocated | Ser
         return Server(args)
     lowrank = list(lowrank_targets(model, params)) if args.es_search_space == "lowrank" else None
     lora = None if lowrank is None else lora_settings(args, lowrank)
-    return Colocated(model_dir(model, tokenizer), args, accelerator, next(model.parameters()).dtype, lora)
+    dtype = compute_dtype(args) or next(iter(params.values())).dtype  # bf16/fp16: θ stays float32 in the workers
+    return Colocated(model_dir(model, tokenizer), args, accelerator, dtype, lora)
 
 
 def model_dir(model, tokenizer) -> str:
@@ -139,7 +140,7 @@ class VLLMWeights:
         if self.started:
             return
         local, model = self.local, self.generation.model
-        dtype = next(model.parameters()).dtype
+        dtype = next(iter(local.params.values())).dtype  # θ's: vLLM's own dtype may be narrower (bf16)
         payload = {
             "seed": local.seed,
             "noise_table_size": local.table_size,

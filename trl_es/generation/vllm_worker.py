@@ -137,30 +137,34 @@ class ESWorkerExtension:
 
             loader = get_model_loader(self.vllm_config.load_config)
             weights = loader.get_all_weights(self.vllm_config.model_config, model)
-        dtype = getattr(torch, args["dtype"])
-        # The working tensors live where vLLM's weights do; θ stays on the host (LocalWeights' exact copy).
-        working = {name: tensor.detach().to(device, dtype, copy=True).contiguous() for name, tensor in weights}
-        missing = [name for name in args["names"] if name not in working]
+        weights, dtype = list(weights), getattr(torch, args["dtype"])
+        names, engine_dtype = set(args["names"]), self.vllm_config.model_config.dtype
+        missing = sorted(names - {name for name, _ in weights})
         if missing:
-            return {"error": f"the served model has no weights named {missing[:3]} (it has {list(working)[:3]}…)"}
+            return {"error": f"the served model has no weights named {missing[:3]} (it has {weights[0][0]!r}…)"}
+        # θ in its own dtype on the host (the exact copy); vLLM computes with its cast when the engine is narrower
+        # (bf16/fp16: a float32 master, each member cast from θ + σ·ε computed in float32)
+        master = None
+        if engine_dtype != dtype:
+            master = {name: tensor.detach().to("cpu", dtype, copy=True) for name, tensor in weights if name in names}
+        # The working tensors live where vLLM's weights do, in its dtype.
+        working = {name: tensor.detach().to(device, engine_dtype, copy=True).contiguous() for name, tensor in weights}
         self._es_names = list(args["names"])
         self._es_packed = {}  # CPU: name -> the layers whose packed handles multiply by that weight
         if self._es_repacked:
             self._es_keep_cpu_weights(model)
-        self._es_weights = LocalWeights(working, args["seed"], args["noise_table_size"], storage_device="cpu")
+        table = (args["seed"], args["noise_table_size"])
+        self._es_weights = LocalWeights(working, *table, storage_device="cpu", master=master)
         self._es_views = False
         self._es_push(set(working))  # vLLM may hold other weights (an earlier run's, on a server)
         views = self._es_find_views(model, working)
         if views:
-            self._es_weights = LocalWeights(views, args["seed"], args["noise_table_size"], storage_device="cpu")
+            self._es_weights = LocalWeights(views, *table, storage_device="cpu", master=master)
             self._es_views = True
             if self._es_repacked:
                 _reuse_freed_memory()
         self._es_weights.capture()
-        return {
-            "fingerprint": weights_hash({name: working[name] for name in self._es_names}),
-            "in_place": self._es_views,
-        }
+        return {"fingerprint": self._es_fingerprint_theta(), "in_place": self._es_views}
 
     @staticmethod
     def _es_keep_cpu_weights(model) -> None:
@@ -239,7 +243,7 @@ class ESWorkerExtension:
         coefficients = {int(seed): float(c) for seed, c in args["coefficients"]}
         if "rank" in args:  # the low-rank update W ← W + Σ_s c_s·A_s·B_sᵀ/√r, written into θ's tensors in place
             try:
-                norm = apply_lowrank_update({n: weights.params[n] for n in names}, coefficients, args["rank"])
+                norm = self._es_lowrank_update(names, coefficients, args["rank"])
             except BaseException:
                 weights.snapshot.restore(names)  # a non-finite update stops half-way: θ back everywhere
                 self._es_push(set(names))
@@ -249,6 +253,26 @@ class ESWorkerExtension:
         weights.capture(names)
         self._es_push(written)
         return {"update_norm": norm}
+
+    def _es_lowrank_update(self, names: list[str], coefficients: dict[int, float], rank: int) -> float:
+        """`apply_lowrank_update` on θ: vLLM's tensors themselves, or with a float32 master the master (each weight
+        updated on vLLM's device, as the trainer updates it, then cast into vLLM's tensor)."""
+        weights = self._es_weights
+        if weights.master is None:
+            return apply_lowrank_update({n: weights.params[n] for n in names}, coefficients, rank)
+        squared = 0.0
+        for name in names:
+            theta = {name: weights.master[name].to(weights.params[name].device)}
+            squared += apply_lowrank_update(theta, coefficients, rank) ** 2
+            weights.master[name].copy_(theta[name])
+        weights.snapshot.restore(names)
+        return squared**0.5
+
+    def _es_fingerprint_theta(self) -> str:
+        """`weights_hash` of θ over the ES names: the float32 master when there is one, else vLLM's tensors."""
+        weights = self._es_weights
+        held = weights.master if weights.master is not None else weights.params
+        return weights_hash({name: held[name] for name in self._es_names})
 
     def es_lowrank_init(self, payload: str) -> dict:
         """Register `slots` pinned zero adapters of rank `rank` (module docstring) and find, for each of `names`
@@ -315,7 +339,10 @@ class ESWorkerExtension:
         return names or self._es_names
 
     def es_fingerprint(self, payload: str) -> dict:
-        """{"fingerprint"} over the ES names of the weights vLLM holds now (θ, or the member's)."""
+        """{"fingerprint"} over the ES names of the weights vLLM holds now (θ, or the member's); with a float32
+        master, of θ (the master)."""
+        if self._es_weights.master is not None:
+            return {"fingerprint": self._es_fingerprint_theta()}
         return {"fingerprint": weights_hash({name: self._es_weights.params[name] for name in self._es_names})}
 
     @torch.no_grad()

@@ -13,6 +13,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from transformers import TrainingArguments
+from transformers.utils import is_torch_bf16_gpu_available
 from trl.trainer.grpo_config import GRPOConfig
 
 from ..es import SEARCH_SPACES
@@ -46,6 +47,26 @@ records (`chain`), the model card lists (`card`) and the GenerationConfig takes 
 GRPOOnlyFields = grpo_only_fields_class(__name__)
 
 
+DEFAULTS_UNLIKE_GRPO = {
+    "learning_rate": "the ES step size α (5e-4 with σ = 1e-3, Qiu et al. 2025), not a gradient learning rate",
+    "lr_scheduler_type": "a constant α, as ES is usually run",
+    "logging_steps": "1: an ES step is long (a whole population's generation)",
+    "num_generations": "1: completions per prompt for each member; GRPO's 8 would make a step 8× longer",
+    "max_grad_norm": "0: ES computes no gradients to clip",
+    "gradient_checkpointing": "False: ES runs no backward pass",
+    "dataloader_pin_memory": "False: ES's batches are rows of text, with no tensors to pin",
+    "bf16": "False on CPU, where GRPOConfig's True is an error without use_cpu (True on an accelerator, as GRPO's)",
+}
+"""The fields whose ESConfig default differs from GRPOConfig's, and why."""
+
+
+def grpo_default(name: str):
+    """The installed GRPOConfig's default of field `name`: ESConfig's too for every field that keeps GRPO's meaning
+    (tests/unit/test_config.py compares the two field by field; the differences are documented)."""
+    spec = GRPOConfig.__dataclass_fields__[name]
+    return spec.default_factory() if spec.default is MISSING else spec.default
+
+
 @dataclass
 class ESConfig(GRPOOnlyFields, TrainingArguments):
     r"""
@@ -61,8 +82,8 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
     Fields of [`~transformers.TrainingArguments`] that only make sense with gradients are ignored with a warning
     (`max_grad_norm`, `optim`, `gradient_checkpointing`).
 
-    Defaults that differ from TrainingArguments: `learning_rate=5e-4`, `lr_scheduler_type="constant"`,
-    `logging_steps=1`, `max_grad_norm=0`, `remove_unused_columns=False`, `dataloader_pin_memory=False`.
+    Every field ESConfig shares with GRPOConfig defaults to the installed GRPOConfig's value, except
+    `DEFAULTS_UNLIKE_GRPO` (each with its reason; docs/migrating_from_grpo.md).
 
     Every field is checked at construction: a bad value raises a ValueError naming the field and the reason.
     """
@@ -308,7 +329,7 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
 
     # Generation with vLLM (GRPOConfig's fields, same meaning)
     use_vllm: bool = field(
-        default=False,
+        default=grpo_default("use_vllm"),
         metadata={
             "group": VLLM,
             "help": "Generate with vLLM instead of transformers' `generate`. Members are written into vLLM's weights "
@@ -317,7 +338,7 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         },
     )
     vllm_mode: str = field(
-        default="colocate",
+        default=grpo_default("vllm_mode"),
         metadata={
             "group": VLLM,
             "help": "'colocate': an in-process vLLM engine per training process. 'server': a vLLM server started "
@@ -326,50 +347,52 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         },
     )
     vllm_model_impl: str = field(
-        default="vllm",
+        default=grpo_default("vllm_model_impl"),
         metadata={"group": VLLM, "help": "Model implementation in vLLM: 'vllm' or 'transformers'."},
     )
     vllm_enable_sleep_mode: bool = field(
-        default=False,
+        default=grpo_default("vllm_enable_sleep_mode"),
         metadata={
             "group": VLLM,
             "help": "Refused: sleep mode frees vLLM's memory for a backward pass and optimizer, which ES has not.",
         },
     )
     vllm_server_base_url: str | None = field(
-        default=None,
+        default=grpo_default("vllm_server_base_url"),
         metadata={
             "group": VLLM,
             "help": "Server mode: base URL of the server (e.g. 'http://localhost:8000'); overrides host and port.",
         },
     )
     vllm_server_host: str = field(
-        default="0.0.0.0", metadata={"group": VLLM, "help": "Server mode: host of the server."}
+        default=grpo_default("vllm_server_host"), metadata={"group": VLLM, "help": "Server mode: host of the server."}
     )
-    vllm_server_port: int = field(default=8000, metadata={"group": VLLM, "help": "Server mode: port of the server."})
+    vllm_server_port: int = field(
+        default=grpo_default("vllm_server_port"), metadata={"group": VLLM, "help": "Server mode: port of the server."}
+    )
     vllm_server_timeout: float = field(
-        default=240.0,
+        default=grpo_default("vllm_server_timeout"),
         metadata={
             "group": VLLM,
             "help": "Server mode: seconds to wait for the server's /health before a ConnectionError.",
         },
     )
     vllm_gpu_memory_utilization: float = field(
-        default=0.3,
+        default=grpo_default("vllm_gpu_memory_utilization"),
         metadata={
             "group": VLLM,
             "help": "Colocate mode: share of GPU memory vLLM may take (weights, activations, KV cache).",
         },
     )
     vllm_max_model_length: int | None = field(
-        default=None,
+        default=grpo_default("vllm_max_model_length"),
         metadata={
             "group": VLLM,
             "help": "Colocate mode: vLLM's context length (prompt + completion); default: the model's.",
         },
     )
     vllm_tensor_parallel_size: int = field(
-        default=1,
+        default=grpo_default("vllm_tensor_parallel_size"),
         metadata={
             "group": VLLM,
             "help": "Colocate mode: GPUs per vLLM engine (tensor parallelism); must divide the process count.",
@@ -385,7 +408,7 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
 
     # Model
     model_init_kwargs: dict[str, Any] | str | None = field(
-        default=None,
+        default=grpo_default("model_init_kwargs"),
         metadata={
             "group": MODEL,
             "help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained`, used when `model` is a string "
@@ -393,8 +416,20 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         },
     )
 
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "group": MODEL,
+            "help": "Compute the members in bfloat16, as GRPOConfig's bf16: generation under autocast on the "
+            "transformers path, a bfloat16 vLLM engine into which each member is written as the bfloat16 cast of θ + "
+            "σ·ε. θ and its updates stay float32 (the ES parameters of a bfloat16 or float16 model are upcast: 4 bytes "
+            "each), so updates below bfloat16's resolution add up. `fp16=True` does the same in float16. None: True "
+            "on an accelerator with bfloat16 unless fp16 is set (GRPOConfig's default); False on CPU, where GRPOConfig's "
+            "True is an error without use_cpu=True (bf16=True with use_cpu=True computes in bfloat16 on CPU).",
+        },
+    )
     trust_remote_code: bool = field(
-        default=False,
+        default=grpo_default("trust_remote_code"),
         metadata={
             "group": MODEL,
             "help": "Allow loading models and tokenizers that ship their own Python code (the policy, reward models); "
@@ -413,11 +448,11 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         },
     )
     max_completion_length: int = field(
-        default=256,
+        default=grpo_default("max_completion_length"),
         metadata={"group": GENERATION, "help": "Maximum number of tokens generated per completion."},
     )
     temperature: float = field(
-        default=1.0,
+        default=grpo_default("temperature"),
         metadata={
             "group": GENERATION,
             "decoding": True,
@@ -425,32 +460,32 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         },
     )
     top_p: float = field(
-        default=1.0,
+        default=grpo_default("top_p"),
         metadata={"group": GENERATION, "decoding": True, "help": "Nucleus sampling: cumulative probability kept."},
     )
     top_k: int = field(
-        default=0,
+        default=grpo_default("top_k"),
         metadata={"group": GENERATION, "decoding": True, "help": "Keep only the k most likely tokens; 0 disables it."},
     )
     min_p: float | None = field(
-        default=None,
+        default=grpo_default("min_p"),
         metadata={"group": GENERATION, "decoding": True, "help": "Minimum token probability, scaled by the top one."},
     )
     repetition_penalty: float = field(
-        default=1.0,
+        default=grpo_default("repetition_penalty"),
         metadata={"group": GENERATION, "decoding": True, "help": "Penalty for repeated tokens; 1.0 is none."},
     )
     generation_kwargs: dict[str, Any] | str | None = field(
-        default=None,
+        default=grpo_default("generation_kwargs"),
         metadata={"group": GENERATION, "help": "Extra `GenerationConfig` arguments; they override the fields above."},
     )
     chat_template_kwargs: dict[str, Any] | str | None = field(
-        default=None,
+        default=grpo_default("chat_template_kwargs"),
         metadata={"group": GENERATION, "help": "Extra arguments for `apply_chat_template` on conversational prompts."},
     )
 
     cache_implementation: str | None = field(
-        default=None,
+        default=grpo_default("cache_implementation"),
         metadata={
             "group": GENERATION,
             "decoding": True,
@@ -460,21 +495,21 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
 
     # Data and rewards
     shuffle_dataset: bool = field(
-        default=True,
+        default=grpo_default("shuffle_dataset"),
         metadata={
             "group": DATA,
             "help": "Shuffle the training prompts (seeded by `seed`); False reads them in dataset order.",
         },
     )
     reward_weights: list[float] | None = field(
-        default=None,
+        default=grpo_default("reward_weights"),
         metadata={
             "group": DATA,
             "help": "Weight of each reward function in the per-completion reward (default: all 1.0).",
         },
     )
     multi_objective_aggregation: str = field(
-        default="sum_then_normalize",
+        default=grpo_default("multi_objective_aggregation"),
         metadata={
             "group": DATA,
             "help": "How several reward functions make a member's reward R_i: 'sum_then_normalize' averages the "
@@ -486,7 +521,7 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         },
     )
     mask_truncated_completions: bool = field(
-        default=False,
+        default=grpo_default("mask_truncated_completions"),
         metadata={
             "group": DATA,
             "help": "Give completions cut at max_completion_length no reward (None): they leave R_i, as GRPO leaves "
@@ -496,23 +531,24 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
 
     # Logging
     log_completions: bool = field(
-        default=False,
+        default=grpo_default("log_completions"),
         metadata={
             "group": LOGGING,
             "help": "Print a table of the first member's prompts, completions and rewards at each logging step.",
         },
     )
     num_completions_to_print: int | None = field(
-        default=None, metadata={"group": LOGGING, "help": "Rows of that table (all when None)."}
+        default=grpo_default("num_completions_to_print"),
+        metadata={"group": LOGGING, "help": "Rows of that table (all when None)."},
     )
     log_unique_prompts: bool = field(
-        default=False,
+        default=grpo_default("log_unique_prompts"),
         metadata={"group": LOGGING, "help": "In that table, show each prompt once (its first completion)."},
     )
 
     # Evaluation and diagnostics
     num_generations_eval: int | None = field(
-        default=None,
+        default=grpo_default("num_generations_eval"),
         metadata={
             "group": LOGGING,
             "help": "Completions sampled per eval prompt (the n of Pass@K); defaults to `num_generations`.",
@@ -559,7 +595,7 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
 
     # Agents
     max_tool_calling_iterations: int | None = field(
-        default=None,
+        default=grpo_default("max_tool_calling_iterations"),
         metadata={
             "group": AGENTS,
             "help": "With tools or an environment_factory: the most tool-calling turns an episode takes after its first "
@@ -599,6 +635,8 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
     )
 
     def __post_init__(self):
+        if self.bf16 is None:  # GRPOConfig's default on an accelerator; CPU computes in the weights' dtype
+            self.bf16 = not self.fp16 and not self.use_cpu and is_torch_bf16_gpu_available()
         self._check_es_step()
         self._check_search_space()
         if self.use_vllm:

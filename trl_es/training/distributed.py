@@ -8,17 +8,40 @@ every process then applies the identical update. What crosses the wire per step:
 
 Under ZeRO-3, θ is partitioned across processes: a step gathers it (`full_parameters`), and after the update each
 process copies its slice back into its partition (`write_shards`). ZeRO-1/2 partition optimizer state and
-gradients, which ES does not have, so they run unwrapped.
+gradients, which ES does not have, so they run unwrapped; so does FSDP (θ whole on every process, taken from
+process 0 once: `share_weights`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from accelerate.utils import parse_flag_from_env
+
+
+def fsdp_version() -> int | None:
+    """The FSDP version Accelerate's launcher was given (`distributed_type: FSDP`), None without FSDP: read from the
+    variables the launcher sets, which transformers' loading reads too."""
+    if not parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        return None
+    return int(os.environ.get("FSDP_VERSION", "1"))
+
+
+def check_fsdp_launch(args) -> None:
+    """A ValueError, before any weights load, for an FSDP launch Accelerate cannot run on this device: FSDP1 with
+    `sync_module_states` (TRL's fsdp1 config; implied by `cpu_ram_efficient_loading`) on CPU."""
+    syncs = parse_flag_from_env("FSDP_SYNC_MODULE_STATES") or parse_flag_from_env("FSDP_CPU_RAM_EFFICIENT_LOADING")
+    if fsdp_version() == 1 and syncs and args.device.type in ("cpu", "mps"):
+        raise ValueError(
+            f"FSDP1 with sync_module_states cannot run on {args.device.type} (Accelerate initializes FSDP1's "
+            "parameters on an accelerator): launch with TRL's fsdp2 config (--accelerate_config fsdp2), which ES "
+            "runs the same way (docs/scaling.md)"
+        )
 
 
 def local_slots(n_slots: int, process_index: int, num_processes: int) -> list[int]:
@@ -96,6 +119,23 @@ class Processes:
         from trl.models.utils import prepare_deepspeed
 
         return prepare_deepspeed(model, self.accelerator)
+
+    def fsdp_launch(self) -> bool:
+        """Whether Accelerate launched FSDP: its plugin, or its launcher's variables (`fsdp_version`)."""
+        plugin = getattr(self.accelerator.state, "fsdp_plugin", None)  # absent when Accelerate set up no FSDP
+        return plugin is not None or fsdp_version() is not None
+
+    @torch.no_grad()
+    def share_weights(self, model: torch.nn.Module) -> None:
+        """Every process takes process 0's parameters and buffers, as FSDP's `sync_module_states` does: with FSDP's
+        `cpu_ram_efficient_loading`, transformers loads the weights on process 0 only and zeros elsewhere (quantized
+        models excepted: every process loads those)."""
+        if self.accelerator.num_processes == 1:
+            return
+        for tensor in [*model.parameters(), *model.buffers()]:
+            shared = tensor.data.to(self.accelerator.device)  # NCCL sends accelerator tensors only
+            dist.broadcast(shared, src=0)
+            tensor.data.copy_(shared)
 
     def full_parameters(self, model: torch.nn.Module, model_wrapped: torch.nn.Module):
         """Context in which every process holds all of θ. Under ZeRO-3 θ is gathered: through the engine with TRL's

@@ -15,7 +15,7 @@ from transformers.utils import logging
 from trl.trainer.grpo_config import GRPOConfig
 from trl.trainer.utils import disable_dropout_in_model, get_config_model_id
 
-from ..es.params import is_quantized
+from ..es.params import HALF_PRECISION, is_quantized, upcast
 from ..util.compat import is_peft_model
 from ..util.models import (
     add_adapter,
@@ -146,8 +146,30 @@ def check_setup(args, model, zero_stage: int | None, num_processes: int) -> None
             f"vllm_mode='server' with {num_processes} processes: a server holds one member's weights at a time, so "
             "one training process drives it. Use one process, or vllm_mode='colocate'."
         )
+    if (args.bf16 or args.fp16) and zero_stage == 3:
+        raise ValueError(
+            f"{'bf16' if args.bf16 else 'fp16'}=True with ZeRO-3: DeepSpeed would hold θ's partitions in half "
+            "precision, where ES updates below its rounding step are lost. Use ZeRO-2 (θ whole on each process, "
+            "members computed in half precision, θ float32), or bf16=False with ZeRO-3"
+        )
     if args.es_optimizer and zero_stage == 3:
         raise ValueError("es_optimizer with ZeRO-3: the optimizer would step on partitioned θ; use ZeRO-2 or none")
+
+
+def keep_theta_in_float32(params: dict, args) -> None:
+    """With bf16/fp16 (members computed in half precision, as GRPO's mixed precision), θ and its updates stay
+    float32: the ES parameters of a half-precision model are upcast (4 bytes each instead of 2). Without, a
+    half-precision θ is trained as it is, and a warning says that updates below its rounding step are lost."""
+    if args.bf16 or args.fp16:
+        upcast(params)
+        return
+    half = sorted({str(p.dtype).removeprefix("torch.") for p in params.values() if p.dtype in HALF_PRECISION})
+    if half:
+        warnings.warn(
+            f"the ES parameters are {'/'.join(half)} and bf16/fp16 are off: each update is rounded to their precision "
+            "(a change below ~0.4% of a weight is lost). Set bf16=True to compute in bfloat16 with θ kept in float32.",
+            stacklevel=3,
+        )
 
 
 def check_tokenizer(tokenizer, model) -> PreTrainedTokenizerBase:

@@ -24,10 +24,10 @@ from ..generation import make_backend
 from ..rewards import RewardFunctions
 from ..rollout import Agents, check_agent_arguments, make_rollout
 from ..util.compat import BaseTrainer, check_trainer_hooks
-from ..util.models import load_starting_model
+from ..util.models import is_quantized_model, load_starting_model
 from .checkpoints import SavingMixin
 from .config import ESConfig
-from .distributed import Processes
+from .distributed import Processes, check_fsdp_launch
 from .loading import (
     DataMixin,
     check_args,
@@ -36,6 +36,7 @@ from .loading import (
     check_optimizer_parameters,
     check_optimizers,
     check_setup,
+    keep_theta_in_float32,
     prepare_model,
     training_dataset,
 )
@@ -109,6 +110,7 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
     ):
         check_model_type(model)
         args = check_args(args, model)
+        check_fsdp_launch(args)
         check_optimizers(args, optimizers, optimizer_cls_and_kwargs)
         train_dataset = training_dataset(train_dataset, args, environment_factory)
         if eval_dataset is not None:
@@ -151,9 +153,14 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         check_setup(args, self.model, zero_stage, self.accelerator.num_processes)
         n_slots = args.population_size + (args.es_baseline == "center")
         self.processes = Processes(self.accelerator, zero_stage, args.ddp_timeout, n_slots)
+        if self.processes.fsdp_launch():  # FSDP's processes run unwrapped too, θ whole on each (docs/scaling.md)
+            self.is_fsdp_enabled = False
+            if not is_quantized_model(self.model):
+                self.processes.share_weights(self.model)
         self.model.add_model_tags(self._tag_names)
         self.reward_functions.to(self.accelerator.device)
         self.es_params = select_parameters(self.model.named_parameters(), args.es_parameter_patterns)
+        keep_theta_in_float32(self.es_params, args)
         self.generation, self.weights = make_backend(
             self.model, processing_class, eos_ids, args, self.accelerator, self.es_params
         )
