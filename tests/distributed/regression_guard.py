@@ -47,13 +47,14 @@ SCENARIOS = {
         "sampled": True,
         "lowrank_members_per_call": 2,
     },
+    "adapter": {"adapter": True},  # a LoRA adapter ESTrainer adds (peft_config); through vLLM: its LoRA slots
     "registered_space": {"es_search_space": NormsOnlySpace.name},  # a space defined outside trl-es
     "agents": {},  # tests/training/test_agents.py's dice game: tool calls, an environment per episode, its reward
 }
 SAME = [("full", "resume"), ("lowrank_sampled", "lowrank_sampled_per_call_2")]
 """Scenarios that must end with the same weights in any environment: a resumed run and an uninterrupted one; a
 sampled population whatever the number of members per generate call."""
-VLLM_SCENARIOS = ("full", "copes", "lowrank")
+VLLM_SCENARIOS = ("full", "copes", "lowrank", "adapter")
 
 
 def reward(completions, **kwargs):
@@ -67,6 +68,13 @@ def weights_sha256(model) -> str:
         digest.update(name.encode())
         digest.update(p.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
     return digest.hexdigest()
+
+
+def lora_config():
+    """The adapter scenario's LoRA: both factors random (B is not zero), so members and updates move the outputs."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
 
 
 def prepare(models: Path, tokenizer_dir: str) -> None:
@@ -97,6 +105,7 @@ def run(scenario: str, models: Path, out: Path, resume=None, **extra) -> str:
     if scenario == "merge":
         overrides["merge_models"] = [str(models / f"tuned-{k}") for k in range(2)]
     folder = out / scenario
+    adapter = {"peft_config": lora_config()} if overrides.pop("adapter", False) else {}
     greedy = {} if overrides.pop("sampled", False) else {"generation_kwargs": {"do_sample": False}}
     settings = dict(**greedy, per_device_train_batch_size=8, use_cpu=True, **overrides)
     dataset = Dataset.from_dict({"prompt": PROMPTS})
@@ -109,6 +118,6 @@ def run(scenario: str, models: Path, out: Path, resume=None, **extra) -> str:
         )
         first.train()
         resume = str(folder / "out" / "checkpoint-1")
-    trainer = ESTrainer(model_dir, reward, args=es_config(folder, **settings), train_dataset=dataset)
+    trainer = ESTrainer(model_dir, reward, args=es_config(folder, **settings), train_dataset=dataset, **adapter)
     trainer.train(resume_from_checkpoint=resume)
     return weights_sha256(trainer.model)

@@ -32,7 +32,7 @@ def scenarios(names, out, tokenizer_dir):
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory, tokenizer_dir):
     """The in-process engines' scenarios, one after the other in one child process."""
-    return scenarios(["colocate", "lowrank", "oom"], tmp_path_factory.mktemp("engines"), tokenizer_dir)
+    return scenarios(["colocate", "lowrank", "adapters", "oom"], tmp_path_factory.mktemp("engines"), tokenizer_dir)
 
 
 @pytest.fixture(scope="module")
@@ -260,19 +260,68 @@ def test_vllm_settings_without_meaning_are_refused(tmp_path, overrides, message)
         es_config(tmp_path, use_vllm=True, **overrides)
 
 
-def test_vllm_with_an_adapter_is_refused(tmp_path, tiny_model_dir, prompt_dataset):
-    from peft import LoraConfig
+@pytest.mark.parametrize(
+    "adapter, overrides, message",
+    [
+        ("dora", {}, "DoRA"),
+        ("modules_to_save", {}, "modules_to_save"),
+        ("bias", {}, "no bias"),
+        ("ia3", {}, "LoRA adapters only"),
+        ("lora", {"vllm_mode": "server"}, "vllm_mode='server'"),
+        ("lora", {"es_search_space": "lowrank"}, "es_search_space='lowrank'"),
+    ],
+)
+def test_vllm_refuses_what_its_lora_slots_cannot_hold(
+    tmp_path, tiny_model_dir, prompt_dataset, adapter, overrides, message
+):
+    """Adapters through vLLM: the members live in vLLM's LoRA slots, which hold plain LoRA pairs; anything else is
+    refused with the reason, before an engine starts."""
+    from peft import IA3Config, LoraConfig
 
     from trl_es import ESTrainer
 
-    with pytest.raises(ValueError, match="use_vllm=False"):
+    configs = {
+        "lora": LoraConfig(r=2, target_modules=["q_proj"]),
+        "dora": LoraConfig(r=2, target_modules=["q_proj"], use_dora=True),
+        "modules_to_save": LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]),
+        "bias": LoraConfig(r=2, target_modules=["q_proj"], bias="lora_only"),
+        "ia3": IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]),
+    }
+    with pytest.raises(ValueError, match=message):
         ESTrainer(
             tiny_model_dir,
             reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-            args=es_config(tmp_path, use_vllm=True),
+            args=es_config(tmp_path, use_vllm=True, **overrides),
             train_dataset=prompt_dataset,
-            peft_config=LoraConfig(r=2, target_modules=["q_proj"]),
+            peft_config=configs[adapter],
         )
+
+
+@pytest.fixture(scope="module")
+def adapters(engines):
+    return engines["adapters"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_an_adapters_members_in_vllms_lora_slots_train_as_the_transformers_path(adapters):
+    """LoRA through vLLM: the whole population (and the centre) in one engine call, member k in LoRA slot k+1 built
+    inside vLLM's workers from its seed; greedy, the rewards and the final adapter are the transformers path's,
+    bitwise — also for CoPES groups and parameter patterns within the adapter; evaluation goes through θ's slot."""
+    assert adapters["vllm_rewards"] == adapters["hf_rewards"]
+    assert adapters["same_final_weights"] and adapters["trains_the_adapter_only"]
+    assert adapters["member_slot_equal"] and adapters["theta_slot_equal"]
+    assert adapters["vllm_eval"] == {k: v for k, v in adapters["hf_eval"].items() if "entropy" not in k}
+    assert adapters["copes_vllm_rewards"] == adapters["copes_hf_rewards"]
+    assert adapters["copes_same_final_weights"] and adapters["copes_patterns_respected"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_an_adapter_through_vllm_replays_resumes_and_restores(adapters):
+    assert adapters["chain_replays"] and adapters["resume_same_weights"]
+    assert adapters["failure_error"] == "reward server down" and adapters["failure_steps_done"] == 1
+    assert adapters["failure_vllm_holds_theta"]
 
 
 def test_vllm_serve_command(tmp_path):

@@ -18,6 +18,7 @@ from pathlib import Path
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for `helpers`
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "distributed"))
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
@@ -39,7 +40,7 @@ def fingerprint(model):
     return weights_hash(dict(model.named_parameters()))
 
 
-def run(out, model_dir, name, reward_funcs=reward, resume=None, **overrides):
+def run(out, model_dir, name, reward_funcs=reward, resume=None, peft_config=None, **overrides):
     """Train 2 ES steps, greedy unless `overrides` say otherwise (the rest after `resume`, a checkpoint); return the
     trainer, its per-step population rewards and the seconds `train` took."""
     from trl_es import ESTrainer
@@ -47,7 +48,11 @@ def run(out, model_dir, name, reward_funcs=reward, resume=None, **overrides):
     overrides = {"generation_kwargs": {"do_sample": False}, "per_device_train_batch_size": 8, **overrides}
     args = es_config(out / name, **overrides)
     trainer = ESTrainer(
-        model_dir, reward_funcs=reward_funcs, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS})
+        model_dir,
+        reward_funcs=reward_funcs,
+        args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        peft_config=peft_config,
     )
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
@@ -83,16 +88,18 @@ def failing_run(out, model_dir, fail_at: int, results: dict, **overrides):
             raise RuntimeError("reward server down")
         return reward(completions)
 
+    peft_config = overrides.pop("peft_config", None)
     args = es_config(out / "fail", use_vllm=True, generation_kwargs={"do_sample": False},
                      per_device_train_batch_size=8, **overrides)  # fmt: skip
-    trainer = ESTrainer(model_dir, failing, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    trainer = ESTrainer(model_dir, failing, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                        peft_config=peft_config)  # fmt: skip
     try:
         trainer.train()
         results["failure_error"] = None
     except RuntimeError as error:
         results["failure_error"] = str(error)
     results["failure_steps_done"] = trainer.state.global_step
-    results["failure_vllm_holds_theta"] = trainer.weights.fingerprint() == fingerprint(trainer.model)
+    results["failure_vllm_holds_theta"] = trainer.weights.fingerprint() == trainer.weights.local.fingerprint()
     return trainer
 
 
@@ -222,7 +229,10 @@ def colocate(out: Path) -> dict:
     local.capture()
     half.weights.member(member_seed(3, 7, 0), 0.02)
     local.member(member_seed(3, 7, 0), 0.02)
-    inside, q_proj = worker_model(half).model.layers[0].self_attn.qkv_proj.weight, half.model.model.layers[0].self_attn.q_proj.weight
+    inside, q_proj = (
+        worker_model(half).model.layers[0].self_attn.qkv_proj.weight,
+        half.model.model.layers[0].self_attn.q_proj.weight,
+    )
     results["bf16_member_is_the_cast"] = torch.equal(inside[: len(q_proj)], q_proj.detach().to(torch.bfloat16))
     local.restore()
     half.weights.center()
@@ -298,6 +308,73 @@ def lowrank(out: Path) -> dict:
     # a reward that fails mid-step: θ intact in the trainer and in vLLM, no member left in the adapters
     trainer = failing_run(out, model_dir, 8, results, **settings)
     results["failure_adapters_zero"] = adapters_zero(trainer)
+    return results
+
+
+def adapters(out: Path) -> dict:
+    """A LoRA adapter's members in vLLM's LoRA slots (the whole population in one call) against the transformers
+    path: the same rewards and adapter, CoPES and parameter patterns within the adapter, a member's slot, evaluation
+    through θ's slot, resume, chain replay, a failing reward."""
+    from regression_guard import lora_config
+    from transformers import AutoModelForCausalLM
+
+    from trl_es import load_chain
+    from trl_es.chains import replay
+    from trl_es.es import member_seed
+
+    model_dir = build_tiny_model(out / "model", sys.argv[3], **VLLM_MODEL)
+    results = {}
+    lora = dict(peft_config=lora_config(), es_baseline="center")
+    hf, results["hf_rewards"], _ = run(out, model_dir, "hf", **lora)
+    vl, results["vllm_rewards"], _ = run(out, model_dir, "vllm", use_vllm=True, save_strategy="steps", save_steps=1,
+                                         **lora)  # fmt: skip
+    results["same_final_weights"] = fingerprint(hf.model) == fingerprint(vl.model)
+    results["trains_the_adapter_only"] = sorted({n.split(".lora_")[1][0] for n in vl.es_params}) == ["A", "B"]
+    eval_dataset = Dataset.from_dict({"prompt": PROMPTS[:4]})
+    results["hf_eval"], results["vllm_eval"] = (
+        {k: v for k, v in t.evaluate(eval_dataset).items() if k != "eval_runtime"} for t in (hf, vl)
+    )
+
+    # a member's slot: A + σ·ε_A, and B + σ·ε_B times the adapter's scaling, as the trainer's tensors make them
+    local, seed = vl.weights.local, member_seed(3, 9, 1)
+    local.capture()
+    with vl.weights.members([(seed, 0.02, None)]):
+        local.member(seed, 0.02)
+        inside = extension(vl)
+        a_name, b_name, scaling, a_stacked, b_stacked = inside._es_pairs[0]
+        rank, slot = vl.es_params[a_name].shape[0], inside._es_slots[1]
+        results["member_slot_equal"] = torch.equal(a_stacked[slot, 0, :rank], vl.es_params[a_name].detach()) and (
+            torch.equal(b_stacked[slot, 0, :, :rank], vl.es_params[b_name].detach() * scaling)
+        )
+        local.restore()
+    results["theta_slot_equal"] = torch.equal(
+        inside._es_pairs[0][3][inside._es_slots[0], 0, :rank], vl.es_params[a_name].detach()
+    )
+
+    # CoPES groups and parameter patterns within the adapter
+    within = dict(es_search_space="copes", copes_groups=2, es_parameter_patterns=[r"lora_B", r"layers\.1\..*lora_A"])
+    copes_hf, results["copes_hf_rewards"], _ = run(out, model_dir, "copes-hf", **lora, **within)
+    copes_vl, results["copes_vllm_rewards"], _ = run(out, model_dir, "copes-vllm", use_vllm=True, **lora, **within)
+    results["copes_same_final_weights"] = fingerprint(copes_hf.model) == fingerprint(copes_vl.model)
+    fixed = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    results["copes_patterns_respected"] = fixed not in copes_vl.es_params
+
+    # the vLLM run's seed chain replays to its adapter; resuming it from step 1 gives it too
+    vl.save_model(str(out / "saved"))
+    replay(load_chain(str(out / "saved")), model_dir, str(out / "replayed"))
+    from peft import PeftModel
+
+    replayed = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), out / "replayed")
+    adapter = {n: p for n, p in vl.model.named_parameters() if "lora_" in n}
+    results["chain_replays"] = all(
+        torch.equal(p, adapter[n]) for n, p in replayed.named_parameters() if "lora_" in n
+    ) and bool(adapter)
+    resumed, _, _ = run(out, model_dir, "vllm", resume=str(out / "vllm" / "out" / "checkpoint-1"), use_vllm=True,
+                        **lora)  # fmt: skip
+    results["resume_same_weights"] = fingerprint(resumed.model) == fingerprint(vl.model)
+
+    # a reward that fails mid-step: θ intact in the trainer and in vLLM
+    failing_run(out, model_dir, 6, results, peft_config=lora_config())
     return results
 
 
@@ -435,7 +512,7 @@ def oom(out: Path) -> dict:
 
 if __name__ == "__main__":
     scenarios, out = sys.argv[1].split(","), Path(sys.argv[2])
-    functions = {"colocate": colocate, "lowrank": lowrank, "server": server, "oom": oom}
+    functions = {"colocate": colocate, "lowrank": lowrank, "adapters": adapters, "server": server, "oom": oom}
     results = {}
     for name in scenarios:  # one after the other in this process: vLLM is imported once
         (out / name).mkdir()

@@ -39,6 +39,7 @@ class FullSpace(SearchSpace):
         self.weights, self.seed, self.population_size = weights, seed, population_size
         self.sigma, self.antithetic, self.weight_decay, self.groups = sigma, antithetic, weight_decay, groups
         self.gradient = gradient
+        self.batched = getattr(weights, "batches_members", False)  # an engine's LoRA slots: many members a call
 
     @classmethod
     def from_config(cls, args, model, weights, load_model=None) -> FullSpace:
@@ -63,8 +64,19 @@ class FullSpace(SearchSpace):
         """σ of a member's noise: σ, or σ·√K over K CoPES groups."""
         return self.sigma if self.groups is None else self.sigma * len(self.groups) ** 0.5
 
+    def members_per_call(self, n_local: int) -> int:
+        return (n_local or 1) if self.batched else 1
+
     @contextlib.contextmanager
     def evaluating(self, members: list[Direction | None]):
+        """One member at a time, written into the weights backend; with a backend that `batches_members` (an
+        adapter's members in vLLM's LoRA slots), all of `members` at once (`members`)."""
+        if self.batched:
+            names = lambda m: None if m.group is None else self.groups[m.group]  # noqa: E731
+            slots = [(0, 0.0, None) if m is None else (m.seed, m.sign * self.member_scale, names(m)) for m in members]
+            with self.weights.members(slots) as route:
+                yield route
+            return
         route = one_member(members)
         (member,) = members
         if member is None:

@@ -35,6 +35,9 @@ class WeightsBackend(Protocol):
     """What every weights backend does. `params`: θ's tensors by name (the trainer's)."""
 
     params: dict[str, torch.nn.Parameter]
+    batches_members: bool
+    """Whether the engine evaluates several full-ES members in one call (`members(...)`, a context giving the rows'
+    route): vLLM's LoRA slots holding an adapter's members."""
 
     def start(self) -> None:
         """Be ready to generate with θ (vLLM: receive it, once)."""
@@ -112,6 +115,7 @@ class LocalWeights:
     ):
         self.params, self.seed, self.table_size, self.storage_device = params, seed, table_size, storage_device
         self.master = master
+        self.batches_members = False  # one member at a time, in the tensors themselves
         self.snapshot: ParameterSnapshot | None = None
         self.table: NoiseTable | None = None
         self.changed: set[str] = set()  # names holding a member's values rather than θ

@@ -22,12 +22,15 @@ import os
 import tempfile
 import warnings
 
+import torch
 from transformers import GenerationConfig
 
 from ..es.lowrank import lowrank_targets
 from ..es.weights import LocalWeights
+from ..util.compat import is_peft_model
+from ..util.models import is_quantized_model, quantization_name
 from .base import Generation, compute_dtype
-from .vllm_engine import Colocated, Server, lora_settings
+from .vllm_engine import LORA_RANKS, Colocated, Server, lora_settings
 
 
 def sampling_settings(generation_config: GenerationConfig, eos_token_ids: list[int], extra: dict) -> dict:
@@ -49,13 +52,87 @@ def sampling_settings(generation_config: GenerationConfig, eos_token_ids: list[i
 
 def start_engine(model, tokenizer, args, accelerator, params) -> Colocated | Server:
     """The run's engine: a running server, or an in-process one on the model's directory (the weights are replaced
-    by the trainer's at `VLLMWeights.start`), with LoRA slots for low-rank members."""
+    by the trainer's at `VLLMWeights.start`), with LoRA slots for low-rank members; for an adapter, on its base's
+    directory with LoRA slots for the adapter's members."""
     if args.vllm_mode == "server":
         return Server(args)
+    if is_peft_model(model):
+        modules = adapter_modules(model, params)
+        rank = max(int(p.shape[0]) for name, p in params.items() if ".lora_A." in name)
+        lora = {"enable_lora": True, "max_loras": args.population_size + 2, "max_cpu_loras": args.population_size + 2,
+                "max_lora_rank": next(r for r in LORA_RANKS if r >= rank),
+                "lora_target_modules": sorted({module.rpartition(".")[2] for module, *_ in modules})}  # fmt: skip
+        base = model.get_base_model()
+        dtype = compute_dtype(args) or next(p.dtype for n, p in model.named_parameters() if n not in params)
+        return Colocated(base_dir(base), args, accelerator, dtype, lora, quantization=vllm_quantization(base))
     lowrank = list(lowrank_targets(model, params)) if args.es_search_space == "lowrank" else None
     lora = None if lowrank is None else lora_settings(args, lowrank)
     dtype = compute_dtype(args) or next(iter(params.values())).dtype  # bf16/fp16: θ stays float32 in the workers
     return Colocated(model_dir(model, tokenizer), args, accelerator, dtype, lora)
+
+
+def adapter_modules(model, params: dict) -> list[list]:
+    """The LoRA layers of the PeftModel `model` whose members vLLM's LoRA slots evaluate: [HF linear module, A's
+    name, B's name, scaling] each. A ValueError, naming the reason, for an adapter vLLM's LoRA cannot hold: another
+    PEFT type than LoRA, DoRA, `modules_to_save`, a bias, a layer that is not a Linear, an adapter not named
+    'default', or ES parameters outside the LoRA A/B weights."""
+    from peft.tuners.lora import LoraLayer
+
+    config = model.peft_config.get("default")
+    why = None
+    if config is None or len(model.peft_config) != 1:
+        why = f"it holds the adapters {sorted(model.peft_config)}; ES trains one, named 'default'"
+    elif str(getattr(config.peft_type, "value", config.peft_type)) != "LORA":
+        why = f"it is a {config.peft_type} adapter; vLLM's slots hold LoRA adapters only"
+    elif getattr(config, "use_dora", False):
+        why = "it is DoRA (use_dora): vLLM's LoRA slots have no magnitude vector"
+    elif getattr(config, "modules_to_save", None):
+        why = f"modules_to_save={config.modules_to_save} are whole trained modules, which LoRA slots cannot hold"
+    elif getattr(config, "bias", "none") != "none":
+        why = f"bias={config.bias!r}: vLLM's LoRA slots have no bias"
+    if why is None:
+        modules, names = [], set()
+        for name, module in model.named_modules():
+            if isinstance(module, LoraLayer) and "default" in module.lora_A:
+                if not isinstance(module.lora_A["default"], torch.nn.Linear):
+                    why = f"{name!r} is not a Linear layer (vLLM's LoRA slots take Linear layers here)"
+                    break
+                a, b = f"{name}.lora_A.default.weight", f"{name}.lora_B.default.weight"
+                modules.append([name.removeprefix("base_model.model."), a, b, float(module.scaling["default"])])
+                names |= {a, b}
+        outside = sorted(set(params) - names)
+        if why is None and outside:
+            why = f"ES would train {outside[0]!r}, which is not a LoRA A/B weight"
+    if why is not None:
+        raise ValueError(f"use_vllm=True cannot evaluate this adapter's members in vLLM's LoRA slots: {why}")
+    return modules
+
+
+def base_dir(base) -> str:
+    """The directory vLLM loads an adapter's base from: the base model's own (the trainer's base must be the one on
+    disk; a ValueError otherwise)."""
+    path = base.name_or_path
+    if not (path and os.path.isfile(os.path.join(path, "config.json"))):
+        raise ValueError(
+            f"use_vllm=True with an adapter loads its base model into vLLM from its directory, and the base "
+            f"({path!r}) is not one: save the base model (save_pretrained) and load it from there"
+        )
+    return path
+
+
+def vllm_quantization(base) -> str | None:
+    """How vLLM quantizes an adapter's base as transformers did, as TRL does: 'bitsandbytes' for a 4-bit
+    bitsandbytes base; an 8-bit one is a ValueError (vLLM has no in-flight 8-bit quantization)."""
+    if not is_quantized_model(base):
+        return None
+    config = getattr(base.config, "quantization_config", None)
+    settings = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
+    if settings.get("load_in_4bit"):
+        return "bitsandbytes"
+    raise ValueError(
+        f"use_vllm=True with a {quantization_name(base)} base: vLLM has no in-flight 8-bit quantization (TRL refuses "
+        "it too). Load the base in 4 bits (load_in_4bit), or train with use_vllm=False"
+    )
 
 
 def model_dir(model, tokenizer) -> str:
@@ -84,7 +161,8 @@ class VLLMGeneration(Generation):
         extra = {k: v for k, v in (generation_kwargs or {}).items() if k not in known}
         self.settings = sampling_settings(generation_config, eos_token_ids, extra)
         self.engine = engine
-        self.row_adapters: list[int] | int | None = None  # set by the low-rank members' route
+        self.row_adapters: list[int] | int | None = None  # set by a members' route (low-rank, adapter members)
+        self.default_adapter: int | None = None  # the LoRA slot every other call goes through (an adapter's θ)
 
     @property
     def max_model_length(self) -> int | None:
@@ -107,10 +185,10 @@ class VLLMGeneration(Generation):
         settings = self.settings if max_new_tokens is None else {**self.settings, "max_tokens": max_new_tokens}
         greedy = settings["temperature"] == 0
         row_settings = [settings if greedy else {**settings, "seed": seed} for seed in seeds]
-        adapters = self.row_adapters
+        adapters = self.row_adapters if self.row_adapters is not None else self.default_adapter
         if adapters is None:
             outputs = self.engine.generate(rows, row_settings)
-        else:  # inside `lowrank_members`: each row through its member's adapter
+        else:  # inside a members' context: each row through its member's adapter (an adapter's θ: slot 0)
             adapters = [adapters] * len(rows) if isinstance(adapters, int) else adapters
             if len(adapters) != len(rows):
                 raise ValueError(f"the members route {len(adapters)} rows, the call has {len(rows)}")
@@ -133,6 +211,11 @@ class VLLMWeights:
         )
         self.lowrank_rank, self.adapter_ids = args.lowrank_rank, []
         self.adapter_slots = lora_settings(args, self.lowrank_names)["max_loras"] if self.lowrank_names else 0
+        # an adapter's members: LoRA slots 1.. (the population and the centre, in one call), its θ in slot 0
+        self.adapter = adapter_modules(generation.model, local.params) if is_peft_model(generation.model) else None
+        self.batches_members = self.adapter is not None
+        if self.adapter is not None:
+            self.adapter_slots = args.population_size + 1
 
     def start(self) -> None:
         """Give vLLM θ (colocate: the trainer's tensors; server: the files of the checkpoint when resuming, else of
@@ -148,6 +231,9 @@ class VLLMWeights:
             "names": list(local.params),
             "path": self.checkpoint,
         }
+        if self.adapter is not None:
+            self._start_adapter(payload)
+            return
         if isinstance(self.engine, Server):
             results = self.engine.rpc("es_init", payload)
         else:
@@ -176,6 +262,24 @@ class VLLMWeights:
                 f"vLLM ({getattr(self.engine, 'url', 'in process')}) serves {served!r}, whose weights differ from "
                 f"the trainer's model ({model.name_or_path!r}): serve the trainer's starting model"
             )
+        self.started = True
+
+    def _start_adapter(self, payload: dict) -> None:
+        """Adapter mode: vLLM's workers take the adapter's θ (the trainer's tensors, every LoRA A/B weight) and its
+        LoRA slots; generation goes through slot 0 (θ) from then on."""
+        names = {name for _, a, b, _ in self.adapter for name in (a, b)}
+        tensors = [(n, p.detach()) for n, p in self.generation.model.named_parameters() if n in names]
+        rank = max(int(p.shape[0]) for n, p in tensors if ".lora_A." in n)
+        payload = {k: payload[k] for k in ("seed", "noise_table_size", "names")}
+        payload |= {"slots": self.adapter_slots, "rank": rank, "modules": self.adapter}
+        results = self.engine.rpc("es_adapter_init", payload, tensors)
+        errors = [r["error"] for r in results if "error" in r]
+        if errors:
+            raise ValueError(f"vLLM cannot hold this adapter's members: {errors[0]}")
+        if any(r["fingerprint"] != self.local.fingerprint() for r in results):
+            raise RuntimeError("vLLM's copy of the adapter differs from the trainer's")
+        self.adapter_ids, self.members_in_place = results[0]["adapter_ids"], True
+        self.generation.default_adapter = self.adapter_ids[0]
         self.started = True
 
     def loaded(self, checkpoint: str) -> None:
@@ -247,12 +351,28 @@ class VLLMWeights:
             self.generation.row_adapters = None
             self._changed("es_lowrank_members", {"members": []})
 
-    def _route(self, n_members: int):
+    @contextlib.contextmanager
+    def members(self, members: list[tuple[int, float, list[str] | None]]):
+        """Adapter mode: within the context, LoRA slot k+1 holds member k = (seed, σ·sign, the names it perturbs;
+        scale 0: θ), all built inside vLLM's workers from seeds; yields the `Route` of the next generate calls'
+        rows, as `lowrank_members` does."""
+        if len(members) > self.adapter_slots:
+            raise ValueError(f"{len(members)} members in one generate call, and vLLM has {self.adapter_slots} slots")
+        payload = {"members": [[seed, scale] for seed, scale, _ in members], "member_names": [n for *_, n in members]}
+        self._changed("es_adapter_members", payload)
+        try:
+            yield self._route(len(members), first=1)
+        finally:
+            self.generation.row_adapters = None
+
+    def _route(self, n_members: int, first: int = 0):
+        """Row b of the next calls through the adapter of member `row_members[b]` (slot `first` + member)."""
+
         def route(row_members) -> None:
             rows = [row_members] if isinstance(row_members, int) else list(row_members)
             if not all(0 <= m < n_members for m in rows):
                 raise ValueError(f"row_members must lie in [0, {n_members}), got {sorted(set(rows))}")
-            adapters = [self.adapter_ids[m] for m in rows]
+            adapters = [self.adapter_ids[first + m] for m in rows]
             self.generation.row_adapters = adapters[0] if isinstance(row_members, int) else adapters
 
         return route

@@ -82,7 +82,8 @@ def _shutdown(engine_core, keep_process_group: bool) -> None:
 
 class Colocated:
     """An in-process `vllm.LLM` (TRL's colocate construction) with the ES worker extension; `lora`: its LoRA fields
-    for low-rank members (`lora_settings`).
+    for low-rank or adapter members (`lora_settings`); `quantization`: vLLM's in-flight quantization of the weights
+    (an adapter's 4-bit base: 'bitsandbytes').
 
     One per process at a time: vLLM's parallel state is global to the process, so starting an engine first shuts
     down the one before it (a trainer's engine otherwise shuts down whenever the trainer is garbage collected,
@@ -90,7 +91,15 @@ class Colocated:
 
     _current = None  # a weak reference to the process's engine
 
-    def __init__(self, path: str, args, accelerator, dtype: torch.dtype, lora: dict | None = None):
+    def __init__(
+        self,
+        path: str,
+        args,
+        accelerator,
+        dtype: torch.dtype,
+        lora: dict | None = None,
+        quantization: str | None = None,
+    ):
         from vllm import LLM
 
         previous = Colocated._current and Colocated._current()
@@ -130,6 +139,7 @@ class Colocated:
                     seed=accelerator.process_index // tp,
                     **batching,
                     worker_extension_cls=WORKER_EXTENSION,
+                    quantization=quantization,
                     **(lora or {}),
                 )
             client = self.llm.llm_engine.engine_core  # vLLM's in-process client shuts down when collected: we do

@@ -62,6 +62,11 @@ def _is_names(value) -> bool:
     return isinstance(value, list) and all(isinstance(name, str) for name in value)
 
 
+def _is_module(value) -> bool:
+    """[HF linear module, LoRA A's name, LoRA B's name, scaling]: one adapted layer (`es_adapter_init`)."""
+    return isinstance(value, list) and len(value) == 4 and _is_names(value[:3]) and _is_finite(value[3])
+
+
 def _is_coefficients(value) -> bool:
     pairs = isinstance(value, list) and len(value) <= MAX_COEFFICIENTS
     return pairs and all(isinstance(p, list) and len(p) == 2 and _is_int(p[0]) and _is_finite(p[1]) for p in value)
@@ -79,6 +84,8 @@ FIELDS = {
     "rank": lambda v: _is_int(v) and 1 <= v <= 512,
     "slots": lambda v: _is_int(v) and 1 <= v <= MAX_COEFFICIENTS,
     "members": _is_coefficients,  # [[seed, scale], ...]: scale = σ·sign, 0 for the centre
+    "member_names": lambda v: isinstance(v, list) and all(n is None or _is_names(n) for n in v),
+    "modules": lambda v: isinstance(v, list) and all(_is_module(m) for m in v),
 }
 """What each payload field must be; the worker checks every call's arguments before acting on any."""
 
@@ -274,41 +281,119 @@ class ESWorkerExtension:
         held = weights.master if weights.master is not None else weights.params
         return weights_hash({name: held[name] for name in self._es_names})
 
-    def es_lowrank_init(self, payload: str) -> dict:
-        """Register `slots` pinned zero adapters of rank `rank` (module docstring) and find, for each of `names`
-        (the trainer's nn.Linear weights), the adapter tensors of its layer: {"adapter_ids"} (LoRA ids, slot order),
-        or {"error"} when the engine has no LoRA or a name has no adapter slice of its shape."""
+    def _es_register_slots(self, slots: int, rank: int) -> list[int] | str:
+        """Register `slots` pinned zero LoRA adapters of rank `rank` (module docstring); their LoRA ids in slot
+        order (`self._es_slots`: their slot indices), or an error."""
         from vllm.lora.request import LoRARequest
 
-        args = parse_payload(payload, "slots", "rank", "names")
         manager = getattr(self.model_runner, "lora_manager", None)
         if manager is None:
-            return {"error": "this vLLM engine runs without LoRA (enable_lora)"}
+            return "this vLLM engine runs without LoRA (enable_lora)"
         adapters = manager._adapter_manager
-        if args["slots"] > adapters.lora_slots:
-            return {"error": f"{args['slots']} members per call, and the engine has {adapters.lora_slots} LoRA slots"}
-        ids = list(range(1, args["slots"] + 1))
+        if slots > adapters.lora_slots:
+            return f"{slots} members per call, and the engine has {adapters.lora_slots} LoRA slots"
+        ids = list(range(1, slots + 1))
         for lora_id in ids:
-            manager.add_dummy_lora(LoRARequest(f"es-member-{lora_id}", lora_id, "es-member"), args["rank"])
+            manager.add_dummy_lora(LoRARequest(f"es-member-{lora_id}", lora_id, "es-member"), rank)
             manager.pin_adapter(lora_id)
             adapters.activate_adapter(lora_id)
-        mapping = adapters.packed_modules_mapping.items()
-        fused = {part: (whole, i) for whole, parts in mapping for i, part in enumerate(parts)}
+        self._es_slots = [adapters.lora_index_to_id.index(lora_id) for lora_id in ids]
+        return ids
+
+    def _es_lora_slices(self, module_name: str, shape: tuple[int, int], rank: int):
+        """vLLM's stacked LoRA tensors (A: (slots, 1, rank, in), B: (slots, 1, out, rank)) of the HF linear
+        `module_name` of weight shape `shape` (a fused layer's slice: q_proj of qkv_proj), or an error."""
+        adapters = self.model_runner.lora_manager._adapter_manager
+        fused = {
+            part: (whole, i)
+            for whole, parts in adapters.packed_modules_mapping.items()
+            for i, part in enumerate(parts)
+        }
+        prefix, _, part = module_name.rpartition(".")
+        whole, index = fused.get(part, (part, 0))
+        layer = adapters.modules.get(f"{prefix}.{whole}")
+        if layer is None or not hasattr(layer, "lora_a_stacked") or index >= len(layer.lora_a_stacked):
+            return f"vLLM has no LoRA layer for {module_name!r}"
+        a, b = layer.lora_a_stacked[index], layer.lora_b_stacked[index]
+        if (b.shape[2], a.shape[3]) != shape or a.shape[2] < rank:
+            return f"vLLM's LoRA layer for {module_name!r} is {(b.shape[2], a.shape[3])}, the weight {shape}"
+        return a, b
+
+    def es_lowrank_init(self, payload: str) -> dict:
+        """Register `slots` pinned zero adapters of rank `rank` and find, for each of `names` (the trainer's
+        nn.Linear weights), the adapter tensors of its layer: {"adapter_ids"} (LoRA ids, slot order), or {"error"}
+        when the engine has no LoRA or a name has no adapter slice of its shape."""
+        args = parse_payload(payload, "slots", "rank", "names")
+        ids = self._es_register_slots(args["slots"], args["rank"])
+        if isinstance(ids, str):
+            return {"error": ids}
         self._es_adapters, self._es_rank = {}, args["rank"]
         for name in args["names"]:
-            module_name, _, _ = name.rpartition(".")
-            prefix, _, part = module_name.rpartition(".")
-            whole, index = fused.get(part, (part, 0))
-            layer, shape = adapters.modules.get(f"{prefix}.{whole}"), tuple(self._es_weights.params[name].shape)
-            if layer is None or not hasattr(layer, "lora_a_stacked") or index >= len(layer.lora_a_stacked):
-                return {"error": f"vLLM has no LoRA layer for {name!r}"}
-            # (slots, 1, rank, in) and (slots, 1, out, rank)
-            a, b = layer.lora_a_stacked[index], layer.lora_b_stacked[index]
-            if (b.shape[2], a.shape[3]) != shape or a.shape[2] < args["rank"]:
-                return {"error": f"vLLM's LoRA layer for {name!r} is {(b.shape[2], a.shape[3])}, the weight {shape}"}
-            self._es_adapters[name] = (a, b)
-        self._es_slots = [adapters.lora_index_to_id.index(lora_id) for lora_id in ids]
+            shape = tuple(self._es_weights.params[name].shape)
+            found = self._es_lora_slices(name.rpartition(".")[0], shape, args["rank"])
+            if isinstance(found, str):
+                return {"error": found}
+            self._es_adapters[name] = found
         return {"adapter_ids": ids}
+
+    def es_adapter_init(self, payload: str, adapter: list[tuple[str, torch.Tensor]]) -> dict:
+        """Adapter mode (ES trains a LoRA adapter, the base stays as vLLM loaded it): take the adapter's θ (`adapter`,
+        the trainer's tensors by name), register `slots` pinned adapters of rank `rank` and find each LoRA pair's
+        stacked tensors. `modules`: [[HF linear module, A's name, B's name, scaling], ...]. Slot 0 holds θ (what
+        generation outside a members call goes through: `es_adapter_members`). {"fingerprint" of θ, "adapter_ids"}
+        or {"error"}."""
+        args = parse_payload(payload, "seed", "noise_table_size", "names", "slots", "rank", "modules")
+        tensors = dict(adapter)
+        missing = sorted(set(args["names"]) - set(tensors))
+        if missing:
+            return {"error": f"the adapter has no weights named {missing[:3]}"}
+        device = next(self.model_runner.model.parameters()).device
+        working = {name: tensor.detach().to(device, copy=True).contiguous() for name, tensor in tensors.items()}
+        ids = self._es_register_slots(args["slots"] + 1, args["rank"])
+        if isinstance(ids, str):
+            return {"error": ids}
+        self._es_pairs = []  # (A's name, B's name, scaling, A's stacked, B's stacked)
+        for module, a_name, b_name, scaling in args["modules"]:
+            rank, fan_in = working[a_name].shape
+            found = self._es_lora_slices(module, (working[b_name].shape[0], fan_in), rank)
+            if isinstance(found, str):
+                return {"error": found}
+            self._es_pairs.append((a_name, b_name, scaling, *found))
+        self._es_names, self._es_views, self._es_adapter_mode = list(args["names"]), False, True
+        self._es_weights = LocalWeights(working, args["seed"], args["noise_table_size"], storage_device="cpu")
+        self._es_weights.capture()  # the adapter's weights outside `names` (es_parameter_patterns) stay as they are
+        self._es_write_adapter(self._es_slots[0])
+        return {"fingerprint": self._es_fingerprint_theta(), "adapter_ids": ids}
+
+    @torch.no_grad()
+    def _es_write_adapter(self, slot: int) -> None:
+        """LoRA slot `slot` ← the adapter the worker's tensors hold now: A, and B times its scaling (vLLM folds the
+        scaling into B as it does when it loads an adapter), cast to vLLM's dtype; ranks beyond the adapter's zero."""
+        params = self._es_weights.params
+        for a_name, b_name, scaling, a_stacked, b_stacked in self._es_pairs:
+            rank = params[a_name].shape[0]
+            a_stacked[slot].zero_()
+            b_stacked[slot].zero_()
+            a_stacked[slot, 0, :rank].copy_(params[a_name])
+            b_stacked[slot, 0, :, :rank].copy_(params[b_name] * scaling)
+
+    def es_adapter_members(self, payload: str) -> dict:
+        """Adapter mode: slot k+1 ← member k of `members` ([[seed, scale], ...]: θ + scale·ε over `member_names[k]`,
+        default every adapter weight; scale 0: θ, the centre), slot 0 ← θ. The worker's tensors hold θ again after."""
+        args = parse_payload(payload, "members")
+        members, names = args["members"], args.get("member_names") or [None] * len(args["members"])
+        if len(members) >= len(self._es_slots) or len(names) != len(members):
+            raise ValueError(f"{len(members)} members for {len(self._es_slots) - 1} adapter slots")
+        weights = self._es_weights
+        for k, ((seed, scale), member_names) in enumerate(zip(members, names, strict=True)):
+            if scale == 0:
+                weights.center()
+            else:
+                weights.member(seed, scale, self._es_known(member_names))
+            self._es_write_adapter(self._es_slots[k + 1])
+        weights.center()
+        self._es_write_adapter(self._es_slots[0])
+        return {"members": len(members)}
 
     @torch.no_grad()
     def es_lowrank_members(self, payload: str) -> dict:
@@ -348,9 +433,13 @@ class ESWorkerExtension:
     @torch.no_grad()
     def _es_push(self, names: set[str]) -> None:
         """Make vLLM compute with the worker's tensors `names` (module docstring): with views, re-pack the CPU
-        layers they feed; otherwise copy them in (`load_weights` on GPU, a whole reload on CPU)."""
+        layers they feed; otherwise copy them in (`load_weights` on GPU, a whole reload on CPU). In adapter mode,
+        write them into LoRA slot 0, through which generation goes outside a members call."""
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
+        if getattr(self, "_es_adapter_mode", False):  # the evaluated adapter is LoRA slot 0
+            self._es_write_adapter(self._es_slots[0])
+            return
         model, working = self.model_runner.model, self._es_weights.params
         if self._es_views:
             for module in {id(m): m for name in names for m in self._es_packed[name]}.values():

@@ -129,10 +129,16 @@ def check_optimizer_parameters(optimizer, params: dict) -> None:
 def check_setup(args, model, zero_stage: int | None, num_processes: int) -> None:
     """A ValueError for settings this run's set-up cannot honour, known once the model is loaded and the processes
     started (ESConfig refuses what its fields alone decide; each search space checks its own, `check_setup`)."""
-    if is_peft_model(model) and args.use_vllm:
+    if is_peft_model(model) and args.use_vllm and args.vllm_mode == "server":
         raise ValueError(
-            "use_vllm=True loads full models into vLLM, which ES perturbs by HF parameter name: train adapters "
-            "(peft_config, es_adapter_only) with use_vllm=False"
+            "an adapter (peft_config, es_adapter_only) with vllm_mode='server': not supported yet (the server would "
+            "need the adapter's weights); use vllm_mode='colocate', whose engine evaluates the adapter's members in "
+            "its LoRA slots"
+        )
+    if is_peft_model(model) and args.use_vllm and args.es_search_space not in ("full", "copes"):
+        raise ValueError(
+            f"es_search_space={args.es_search_space!r} with an adapter and use_vllm=True: vLLM's LoRA slots hold the "
+            "adapter's full-ES members ('full', 'copes'); use one of those, or use_vllm=False"
         )
     if is_peft_model(model) and args.sparse_delta_tau is not None:
         raise ValueError(
