@@ -94,3 +94,17 @@ def test_an_optimizer_lacking_es_parameters_is_refused(tmp_path, tiny_model_dir)
         trainer.train()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), AutoModelForCausalLM.from_pretrained(
         tiny_model_dir).parameters(), strict=True))  # fmt: skip
+
+
+class SGD(torch.optim.SGD):
+    """A user's optimizer under torch's class name: a chain recording "SGD" alone would replay torch's."""
+
+
+def test_an_optimizer_a_seed_chain_cannot_rebuild_is_refused_before_the_first_update(tmp_path, tiny_model_dir):
+    args = es_config(tmp_path, max_steps=1, es_optimizer=True)
+    trainer = ESTrainer(tiny_model_dir, reward, args=args, train_dataset=PROMPTS,
+                        optimizer_cls_and_kwargs=(SGD, {"lr": ETA}))  # fmt: skip
+    start = weights(trainer.model)
+    with pytest.raises(ValueError, match=r"test_optimizers_argument.SGD: a seed chain records optimizers of torch"):
+        trainer.train()
+    assert all(torch.equal(p, start[n]) for n, p in trainer.model.named_parameters())
