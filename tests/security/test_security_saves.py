@@ -121,7 +121,7 @@ class CtrlC:
     def send(self):
         self.asked.set()
         self.sent.wait()
-        time.sleep(0.05)  # the main thread runs Python's handler at its next instruction: within this sleep's end
+        time.sleep(0.05)  # Python runs the handler in the main thread at its next instruction, by this sleep's end
 
 
 def test_a_ctrl_c_taken_by_another_thread_is_held_until_the_block_ends():
