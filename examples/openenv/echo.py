@@ -2,7 +2,8 @@
 ESTrainer in place of GRPOTrainer.
 
     pip install openenv==0.10.0
-    python examples/openenv/echo.py --model smollm2 --serve  # starts the echo server on 127.0.0.1 itself
+    python examples/openenv/echo.py --model smollm2 --serve  # starts the echo server on 127.0.0.1 itself, on a
+                                                             # free port (--port P: on P, refused if it is taken)
 
 or with a server of your own (`ECHO_ENV_URL`, and the folder holding `echo_env` on PYTHONPATH):
 
@@ -23,7 +24,10 @@ answer itself instead of calling the tool).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -89,33 +93,54 @@ class EchoToolEnv:
         return self.reward
 
 
-def serve(folder: str, port: int, max_concurrent_envs: int) -> subprocess.Popen:
+@contextlib.contextmanager
+def serve(folder: str, port: int, max_concurrent_envs: int):
     """OpenEnv's echo template written into `folder` by `openenv init` (with `max_concurrent_envs` sessions), served
-    by uvicorn on 127.0.0.1:`port`; returns once its /health answers. `echo_env` becomes importable here."""
-    if not os.path.isdir(os.path.join(folder, "echo_env")):
-        subprocess.run([sys.executable, "-m", "openenv.cli", "init", "echo_env"], cwd=folder, check=True)
-    app = os.path.join(folder, "echo_env", "server", "app.py")
-    with open(app) as file:
-        source = file.read()
-    with open(app, "w") as file:
-        file.write(source.replace("max_concurrent_envs=1,", f"max_concurrent_envs={max_concurrent_envs},"))
-    command = [sys.executable, "-m", "uvicorn", "echo_env.server.app:app", "--host", "127.0.0.1", "--port", str(port)]
-    server = subprocess.Popen(command, cwd=folder, env={**os.environ, "PYTHONPATH": folder})
-    url = f"http://127.0.0.1:{port}"
+    by uvicorn on 127.0.0.1:`port` (0: a free one) until the block ends; yields the server process once its /health
+    answers, `echo_env` importable here and `ECHO_ENV_URL` set. The port is bound here and handed to uvicorn, and
+    held until the server stopped: no other process answers there, so the run talks to the server it started only."""
+    try:
+        listening = socket.create_server(("127.0.0.1", port))
+    except OSError as error:
+        raise SystemExit(f"echo.py: port {port} is taken ({error.strerror}): choose another --port, or leave it out "
+                         "for a free one") from None  # fmt: skip
+    with listening:
+        if not os.path.isdir(os.path.join(folder, "echo_env")):
+            subprocess.run([sys.executable, "-m", "openenv.cli", "init", "echo_env"], cwd=folder, check=True)
+        app = os.path.join(folder, "echo_env", "server", "app.py")
+        with open(app) as file:
+            source = file.read()
+        with open(app, "w") as file:
+            file.write(source.replace("max_concurrent_envs=1,", f"max_concurrent_envs={max_concurrent_envs},"))
+        descriptor = listening.fileno()
+        command = [sys.executable, "-m", "uvicorn", "echo_env.server.app:app", "--fd", str(descriptor)]
+        server = subprocess.Popen(command, cwd=folder, env={**os.environ, "PYTHONPATH": folder}, pass_fds=[descriptor])
+        try:
+            url = f"http://127.0.0.1:{listening.getsockname()[1]}"
+            wait_for_health(server, url)
+            sys.path.insert(0, folder)
+            os.environ["ECHO_ENV_URL"] = url
+            yield server
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+def wait_for_health(server: subprocess.Popen, url: str) -> None:
+    """Return once `server`'s /health at `url` answers; a RuntimeError if it exits or takes over 60 s."""
     for _ in range(120):
         try:
             urllib.request.urlopen(f"{url}/health", timeout=1)
-            break
+            return
         except OSError:
             if server.poll() is not None:
                 raise RuntimeError(f"the echo server exited with {server.returncode}") from None
             time.sleep(0.5)
-    else:
-        server.terminate()
-        raise RuntimeError(f"the echo server did not answer on {url} within 60 s")
-    sys.path.insert(0, folder)
-    os.environ["ECHO_ENV_URL"] = url
-    return server
+    raise RuntimeError(f"the echo server did not answer on {url} within 60 s")
 
 
 def tool_tokenizer(model: str):
@@ -142,7 +167,7 @@ def parse_args(argv=None):
     parser.add_argument("--num-generations", type=int, default=2)
     parser.add_argument("--max-completion-length", type=int, default=64)
     parser.add_argument("--serve", action="store_true", help="start the echo server here (else: ECHO_ENV_URL)")
-    parser.add_argument("--port", type=int, default=8001, help="the port of the server --serve starts")
+    parser.add_argument("--port", type=int, default=0, help="the port of the server --serve starts (0: a free one)")
     parser.add_argument("--output-dir", default="outputs/openenv-echo")
     return parser.parse_args(argv)
 
@@ -210,16 +235,14 @@ def main(argv=None):
 
     start = time.time()
     options = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # clean up, as after Ctrl-C
     with tempfile.TemporaryDirectory() as folder:
-        server = serve(folder, options.port, episodes_per_step(options) + 2) if options.serve else None
-        try:
+        with (
+            serve(folder, options.port, episodes_per_step(options) + 2) if options.serve else contextlib.nullcontext()
+        ):
             trainer = make_trainer(options)
             trainer.train()
             print(summary(trainer))
-        finally:
-            if server is not None:
-                server.terminate()
-                server.wait()
     print(f"total {time.time() - start:.0f}s")
 
 

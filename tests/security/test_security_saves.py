@@ -4,13 +4,19 @@ partial `checkpoint-K` (tests/distributed/test_security_crash.py kills real runs
 
 import fcntl
 import os
+import shutil
+import signal
 import subprocess
+import threading
+import time
 
 import pytest
 import transformers.modeling_utils
+from datasets import Dataset
 from helpers import es_config
 
 from trl_es import ESTrainer
+from trl_es.util import atomic
 
 
 def reward(completions, **kwargs):
@@ -96,3 +102,96 @@ def test_a_second_run_into_the_same_output_dir_is_refused_and_writes_nothing(tmp
         assert not [p for p in out.iterdir() if p.name.startswith("checkpoint-")]
     trainer.train()  # the first run is over: this one may write
     assert (out / "checkpoint-1" / "model.safetensors").is_file()
+
+
+class CtrlC:
+    """A terminal's Ctrl-C in a process of several threads (a trainer has ~5): `send()` makes a thread started
+    beforehand send SIGINT to the process, which that thread takes, not the main one; returns once it was taken."""
+
+    def __init__(self):
+        self.asked, self.sent = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        self.asked.wait()
+        os.kill(os.getpid(), signal.SIGINT)
+        self.sent.set()
+
+    def send(self):
+        self.asked.set()
+        self.sent.wait()
+        time.sleep(0.05)  # Python runs the handler in the main thread at its next instruction, by this sleep's end
+
+
+def test_a_ctrl_c_taken_by_another_thread_is_held_until_the_block_ends():
+    ctrl_c, reached = CtrlC(), []
+    with pytest.raises(KeyboardInterrupt):
+        with atomic.interrupts_held():
+            ctrl_c.send()
+            reached.append("the end of the block")
+    assert reached == ["the end of the block"]
+    elsewhere = []  # another thread, which Python never interrupts, holds nothing and is refused nothing
+
+    def save_elsewhere():
+        with atomic.interrupts_held():
+            elsewhere.append("saved")
+
+    thread = threading.Thread(target=save_elsewhere)
+    thread.start(), thread.join()
+    assert elsewhere == ["saved"]
+
+
+def test_a_ctrl_c_between_the_renames_of_a_publish_leaves_the_new_directory_in_place(tmp_path, monkeypatch):
+    target, staging = tmp_path / "checkpoint-2", tmp_path / ".staging"
+    for folder, text in ((target, "old"), (staging, "new")):
+        folder.mkdir()
+        (folder / "model.safetensors").write_text(text)
+    ctrl_c, replace = CtrlC(), os.replace
+    monkeypatch.setattr(os, "replace", lambda *a: (replace(*a), ctrl_c.send()))  # after the first rename
+    with pytest.raises(KeyboardInterrupt):
+        atomic.publish_directory(str(staging), str(target))
+    assert (target / "model.safetensors").read_text() == "new" and os.listdir(tmp_path) == ["checkpoint-2"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_model_dir):
+    """A trainer after one step, its threads alive (saving changes nothing of it, so the tests share it)."""
+    args = es_config(tmp_path_factory.mktemp("trained"), max_steps=1)
+    prompts = Dataset.from_dict({"prompt": [f"Count to {n}:" for n in range(1, 9)]})
+    trainer = ESTrainer(tiny_model_dir, reward, args=args, train_dataset=prompts)
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("moment", ["making the staging", "renaming into the directory", "cleaning up a failed save"])
+def test_a_ctrl_c_in_a_trainers_guarded_save_waits_for_its_end(tmp_path, trained, monkeypatch, moment):
+    """With the trainer's threads alive, a Ctrl-C that another thread takes lands after the guarded part: a save into
+    an existing directory replaces every file (never training_args.bin without model.safetensors and es_chain.json),
+    and a failed save removes its staging."""
+    target = tmp_path / "saved"
+    trained.save_model(str(target))
+    files = {name: os.stat(target / name).st_ino for name in os.listdir(target)}
+    ctrl_c = CtrlC()
+    if moment == "making the staging":
+        make = atomic.staging_directory
+        monkeypatch.setattr(atomic, "staging_directory", lambda *a: (make(*a), ctrl_c.send())[0])
+    elif moment == "renaming into the directory":
+        replace = os.replace  # Ctrl-C after the first file renamed into the directory
+        monkeypatch.setattr(
+            os, "replace", lambda a, b: (replace(a, b), os.path.dirname(b) == str(target) and ctrl_c.send())
+        )
+    else:
+        monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", lambda *a, **k: (_ for _ in ()).throw(
+            OSError("disk full")))  # fmt: skip
+        remove = shutil.rmtree
+        monkeypatch.setattr(shutil, "rmtree", lambda *a, **k: (ctrl_c.send(), remove(*a, **k)))
+    with pytest.raises(KeyboardInterrupt):
+        trained.save_model(str(target))
+    monkeypatch.undo()
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".saved")]  # no staging left behind
+    replaced = {name: os.stat(target / name).st_ino != inode for name, inode in files.items()}
+    if moment == "renaming into the directory":
+        assert all(replaced.values()), replaced  # every file is the new save's
+    else:
+        assert not any(replaced.values()), replaced  # the directory is as it was

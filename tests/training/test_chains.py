@@ -217,6 +217,8 @@ def crafted(field: str):
             update["updates"][0]["coefficients"][0][1] = "NaN"  # then written as a bare NaN literal below
         elif field == "huge":
             update["updates"][0]["coefficients"][0][1] = 10**400
+        elif field == "coefficient":  # a valid chain of another run: replay ends on other weights than its tip
+            update["updates"][0]["coefficients"][0][1] *= 2
         elif field == "group":
             update["updates"][0]["group"] = 7
         elif field == "no-updates":
@@ -246,6 +248,7 @@ def crafted(field: str):
     [
         ("nan", "NaN is not a number"),
         ("huge", "not finite or out of range"),
+        ("coefficient", r"replaying its steps 0\.\.2 gave other weights than its tip"),
         ("group", "malformed"),
         ("no-updates", "malformed"),
         ("null-header", "header is missing"),

@@ -2,6 +2,8 @@
 directions, their bootstrap intervals, members formed by the run's own search space, θ restored bitwise."""
 
 import json
+import math
+import sys
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from helpers import es_config
 from trl_es import ESTrainer
 from trl_es.cli import main as cli
 from trl_es.es.seeds import diagnose_direction_seed
-from trl_es.research.diagnose import Probe, measure, prompt_batches, statistics
+from trl_es.research.diagnose import Probe, measure, prompt_batches, statistics, table
 
 
 def test_kappa_and_correlations_are_the_formulas():
@@ -44,6 +46,16 @@ def test_no_spread_is_undefined_not_a_number():
     record = statistics(torch.ones(5, 3, dtype=torch.float64), resamples=20)
     assert record["kappa_base"] is None and record["corr_pair"] is None and record["unchanged"] == 1.0
     json.dumps(record, allow_nan=False)
+
+
+def test_a_direction_without_reward_leaves_kappa_and_its_interval_undefined():
+    """A NaN objective (no completion of the direction got a reward) makes κ undefined: its interval too, not the
+    interval of the resamples that happened to leave that direction out."""
+    x = torch.randn(6, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    x[2] = math.nan
+    record = statistics(x, resamples=200)
+    assert record["kappa_base"] is None and record["kappa_base_ci"] == [None, None]
+    assert "| n/a [n/a, n/a] |" in table([{"objective": "reward", "coupling": "common", "sigma": 0.01, **record}])
 
 
 def test_each_direction_has_its_own_batch_disjoint_while_the_data_lasts():
@@ -129,3 +141,28 @@ def test_the_command_writes_the_records_and_the_table(tmp_path, tiny_model_dir, 
     with pytest.raises(SystemExit):  # vLLM holds the members, the scoring model stays at θ
         cli(["diagnose", "--model", tiny_model_dir, "--task", "small_sums", "--use-vllm"])
     assert "--use-vllm: the logprob objective scores with the transformers model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--sigma", "1e-2,0.01"], "--sigma lists a value twice"),
+        (["--sigma", "1e-2,nan"], "--sigma takes a comma-separated list of positive numbers"),
+        (["--coupling", "common,common"], "--coupling takes a comma-separated list of common, independent, each once"),
+        (["--resamples", "-1"], "--resamples must be at least 1"),
+        (["--out", "a-file"], "--out a-file is not a folder it can write into"),
+        (["--use-vllm", "--objective", "reward"], "--use-vllm needs vLLM, which is not installed"),
+    ],
+    ids=["duplicate-sigma", "nan-sigma", "duplicate-coupling", "resamples", "out-is-a-file", "no-vllm"],
+)
+def test_bad_arguments_are_one_line_before_any_model_loads(tmp_path, tiny_model_dir, monkeypatch, capsys, flags,
+                                                           message):  # fmt: skip
+    import trl_es
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("not a folder")
+    monkeypatch.setitem(sys.modules, "vllm", None)  # vLLM not installed: `import vllm` fails
+    monkeypatch.setattr(trl_es, "ESTrainer", lambda *a, **k: pytest.fail("the model was loaded"))
+    assert cli(["diagnose", "--model", tiny_model_dir, "--task", "small_sums", *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"trl-es diagnose: {message}") and err.count("\n") == 1, err

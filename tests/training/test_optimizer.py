@@ -16,6 +16,7 @@ PROMPTS = Dataset.from_dict({"prompt": [f"Count to {n}:" for n in range(1, 9)]})
 ADAMW = {"es_optimizer": True, "optim": "adamw_torch", "learning_rate": 3e-3, "weight_decay": 0.01,
          "lr_scheduler_type": "cosine", "warmup_steps": 1}  # fmt: skip
 SGD_MOMENTUM = {"es_optimizer": True, "optim": "sgd", "optim_args": "momentum=0.9", "learning_rate": 1e-4}
+ADAFACTOR = {"es_optimizer": True, "optim": "adafactor", "learning_rate": 1e-3}  # transformers' (torch has its own)
 
 
 def reward(completions, **kwargs):
@@ -117,18 +118,24 @@ def test_an_optimizer_step_that_overflows_is_refused_inside_the_step(tmp_path, t
     "settings",
     [
         ADAMW,
+        ADAFACTOR,
         pytest.param(SGD_MOMENTUM, marks=pytest.mark.slow),
         pytest.param({**ADAMW, "es_search_space": "lowrank", "lowrank_rank": 2}, marks=pytest.mark.slow),
     ],
-    ids=["adamw", "sgd-momentum", "lowrank-adamw"],
+    ids=["adamw", "adafactor", "sgd-momentum", "lowrank-adamw"],
 )
 def test_chains_replay_through_the_optimizer_bitwise(tmp_path, tiny_model_dir, settings):
+    """The chain names the optimizer's module and class, so replay builds that one: transformers' Adafactor, not
+    torch.optim's algorithm of the same name."""
     from transformers import AutoModelForCausalLM
 
     trainer = train(tmp_path, tiny_model_dir, **settings)
     trainer.save_model(str(tmp_path / "saved"))
     chain = load_chain(str(tmp_path / "saved"))
-    assert chain.header["space"]["optimizer"]["class"] in ("AdamW", "SGD")
+    recorded = chain.header["space"]["optimizer"]
+    built = {"adamw_torch": ("torch.optim", "AdamW"), "sgd": ("torch.optim", "SGD"),
+             "adafactor": ("transformers.optimization", "Adafactor")}  # fmt: skip
+    assert (recorded["module"], recorded["class"]) == built[settings["optim"]]
     replay(chain, tiny_model_dir, str(tmp_path / "rebuilt"))
     assert same(weights(AutoModelForCausalLM.from_pretrained(tmp_path / "rebuilt")), weights(trainer.model))
 

@@ -1,7 +1,8 @@
 """GRPOTrainer's `optimizers=(optimizer, scheduler)` and Trainer's `optimizer_cls_and_kwargs`, with
 `es_optimizer=True`: the given optimizer (or the one built from the class) is the one that steps on the ES gradient
 estimate, at its scheduler's learning rate, and the seed chain replays through it. Without `es_optimizer` they are
-refused with the reason, as are a scheduler without its optimizer and an optimizer that lacks ES parameters."""
+refused with the reason, as are a scheduler without its optimizer or built on another, an optimizer that lacks ES
+parameters and one a seed chain could not rebuild."""
 
 import pytest
 import torch
@@ -81,6 +82,10 @@ def test_optimizers_without_es_optimizer_are_refused(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="a scheduler without its optimizer"):
         ESTrainer(model, reward, args=es_config(tmp_path, es_optimizer=True), train_dataset=PROMPTS,
                   optimizers=(None, scheduler))  # fmt: skip
+    other = torch.optim.SGD(model.parameters(), lr=ETA)  # the scheduler would set its rate, never stepped: rate 0
+    with pytest.raises(ValueError, match="a scheduler built on another optimizer than the one it holds"):
+        ESTrainer(model, reward, args=es_config(tmp_path, es_optimizer=True), train_dataset=PROMPTS,
+                  optimizers=(other, scheduler))  # fmt: skip
 
 
 def test_an_optimizer_lacking_es_parameters_is_refused(tmp_path, tiny_model_dir):
@@ -94,3 +99,17 @@ def test_an_optimizer_lacking_es_parameters_is_refused(tmp_path, tiny_model_dir)
         trainer.train()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), AutoModelForCausalLM.from_pretrained(
         tiny_model_dir).parameters(), strict=True))  # fmt: skip
+
+
+class SGD(torch.optim.SGD):
+    """A user's optimizer under torch's class name: a chain recording "SGD" alone would replay torch's."""
+
+
+def test_an_optimizer_a_seed_chain_cannot_rebuild_is_refused_before_the_first_update(tmp_path, tiny_model_dir):
+    args = es_config(tmp_path, max_steps=1, es_optimizer=True)
+    trainer = ESTrainer(tiny_model_dir, reward, args=args, train_dataset=PROMPTS,
+                        optimizer_cls_and_kwargs=(SGD, {"lr": ETA}))  # fmt: skip
+    start = weights(trainer.model)
+    with pytest.raises(ValueError, match=r"test_optimizers_argument.SGD: a seed chain records optimizers of torch"):
+        trainer.train()
+    assert all(torch.equal(p, start[n]) for n, p in trainer.model.named_parameters())

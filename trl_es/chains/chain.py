@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -27,11 +28,12 @@ import warnings
 from typing import TypedDict
 
 import torch
+import transformers.optimization
 from trl.trainer.utils import get_config_model_id
 
 from ..es.noise import CHUNK, MAX_TABLE_SIZE
 from ..es.params import upcast
-from ..es.space import SEARCH_SPACES, anchor_pull, optimizer_header, rebuild_optimizer, step_optimizer
+from ..es.space import SEARCH_SPACES, anchor_pull, step_optimizer
 from ..es.weights import LocalWeights, weights_hash
 from ..util.atomic import atomic_write_text
 from ..util.compat import import_extra
@@ -86,6 +88,49 @@ def _space_class(kind: str):
             f"this trl-es cannot replay a chain of search space {kind!r} (it knows {sorted(SEARCH_SPACES)})"
         )
     return SEARCH_SPACES[kind]
+
+
+OPTIMIZER_MODULES = {"torch.optim": torch.optim, "transformers.optimization": transformers.optimization}
+"""The modules whose optimizers a chain records, by name, and replay builds: a chain names no other code to run."""
+
+
+def optimizer_header(optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter]) -> dict:
+    """What rebuilds `optimizer` over `params`: its module and class name, defaults, and per param group its
+    parameter names and options (parameters outside `params`, not trained by ES, are left out). A ValueError for an
+    optimizer of another module, which replay could not build."""
+    cls = type(optimizer)
+    module = next(
+        (name for name, found in OPTIMIZER_MODULES.items() if getattr(found, cls.__name__, None) is cls), None
+    )
+    if module is None:
+        raise ValueError(
+            f"es_optimizer with {cls.__module__}.{cls.__qualname__}: a seed chain records optimizers of "
+            f"{' and '.join(OPTIMIZER_MODULES)} only, and replay could not rebuild this one. Choose one of theirs "
+            "(optim='adamw_torch', 'sgd', 'adafactor', …, or optimizer_cls_and_kwargs)"
+        )
+    names = {id(p): name for name, p in params.items()}
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "parameters": [names[id(p)] for p in group["params"]
+                                                                            if id(p) in names]}
+        for group in optimizer.param_groups
+    ]  # fmt: skip
+    return {"module": module, "class": cls.__name__, "defaults": optimizer.defaults, "groups": groups}
+
+
+def rebuild_optimizer(header: dict, params: dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer `optimizer_header` describes (a chain without "module", from before it was recorded, names a
+    torch.optim class)."""
+    module = header.get("module", "torch.optim")
+    cls = getattr(OPTIMIZER_MODULES.get(module), header["class"], None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(
+            f"a seed chain can replay optimizers of {' and '.join(OPTIMIZER_MODULES)} only, not "
+            f"{module}.{header['class']}"
+        )
+    groups = [{**{k: v for k, v in g.items() if k != "parameters"}, "params": [params[n] for n in g["parameters"]]}
+              for g in header["groups"]]  # fmt: skip
+    accepted = inspect.signature(cls).parameters  # defaults may hold derived entries (AdamW's decoupled_weight_decay)
+    return cls(groups, **{k: v for k, v in header["defaults"].items() if k in accepted})
 
 
 def run_header(args, params, space, optimizer) -> dict:
@@ -201,8 +246,8 @@ class Chain:
     def apply(self, model: torch.nn.Module, steps: int | None = None, force: bool = False) -> torch.nn.Module:
         """Replay the chain's updates of steps < `steps` (default: all) on `model`, which must hold the chain's base
         weights (checked by SHA-256 unless `force`), each followed, as in training, by the optimizer's step and the
-        anchored decay toward the base, when the run had them. The model's parameters change in place; it is
-        returned."""
+        anchored decay toward the base, when the run had them; a replay of every step must end on the chain's tip
+        (checked likewise). The model's parameters change in place; it is returned."""
         named = dict(model.named_parameters())
         if weights_hash(named) != self.header["base"]["sha256"]:
             message = (
@@ -245,7 +290,27 @@ class Chain:
                             f"the update of chain step {entry['step']} is malformed ({error!r})"
                         ) from error
         weights.release()
+        if steps is None or steps >= self.span()[1]:
+            self._check_tip(params, force)
         return model
+
+    def _check_tip(self, params: dict[str, torch.Tensor], force: bool) -> None:
+        """A ValueError (a warning with `force`) unless `params`, replayed through every step, are the weights the
+        chain was saved with: never a silent wrong model."""
+        tip = (self.tip or {}).get("weights_sha256")
+        if tip is None or weights_hash(params) == tip:
+            return
+        first, last = self.span()
+        message = (
+            f"replaying its steps {first}..{last - 1} gave other weights than its tip (SHA-256 {tip[:12]}…, the "
+            "weights saved with it)"
+        )
+        if not force:
+            raise ValueError(
+                f"{message}: the chain is another run's or was edited, or replay ran on another device type than "
+                "training; pass force=True (--force) to keep them anyway"
+            )
+        warnings.warn(f"{message}; kept anyway (force): the result is not the trained model", stacklevel=3)
 
 
 def load_chain(source: str) -> Chain:

@@ -15,10 +15,12 @@ docs/diagnose.md says what to do with each outcome.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from types import SimpleNamespace
 
+from ..generation.vllm_engine import INSTALL_HINT, require_vllm
 from ..research.diagnose import COUPLINGS, OBJECTIVES, Probe, diagnose, prompt_batches, table
 from ..tasks import TASKS, get_task
 from ..util.atomic import atomic_write_text
@@ -33,9 +35,38 @@ SPACES = ("full", "lowrank")
 def choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
     values = [value for value in text.split(",") if value]
     unknown = [value for value in values if value not in allowed]
-    if unknown or not values:
-        raise ValueError(f"{flag} takes a comma-separated list of {', '.join(allowed)}, got {text!r}")
+    if unknown or not values or len(set(values)) < len(values):
+        raise ValueError(f"{flag} takes a comma-separated list of {', '.join(allowed)}, each once, got {text!r}")
     return values
+
+
+def noise_scales(text: str) -> list[float]:
+    """--sigma's values: positive numbers, each once (a σ given twice would count its directions twice)."""
+    try:
+        values = [float(value) for value in text.split(",") if value]
+    except ValueError:
+        values = []
+    if not values or not all(0 < value < math.inf for value in values):
+        raise ValueError(f"--sigma takes a comma-separated list of positive numbers, got {text!r}")
+    if len(set(values)) < len(values):
+        raise ValueError(f"--sigma lists a value twice ({text!r}): its directions would count twice")
+    return values
+
+
+def check_before_loading(options) -> None:
+    """A ValueError for what would otherwise fail after the model loaded, or after the whole measurement: the
+    bootstrap's resamples, an --out that cannot be a folder (created here), vLLM not installed."""
+    if options.resamples < 1:
+        raise ValueError(f"--resamples must be at least 1, got {options.resamples}")
+    try:
+        os.makedirs(options.out, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--out {options.out} is not a folder it can write into ({error.strerror})") from None
+    if options.use_vllm:
+        try:
+            require_vllm()
+        except ImportError:
+            raise ValueError(f"--use-vllm needs vLLM, which is not installed: {INSTALL_HINT}") from None
 
 
 def parse(argv: list[str] | None):
@@ -84,9 +115,10 @@ def parse(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> list[dict]:
     options = parse(argv)
-    sigmas = [float(s) for s in options.sigma.split(",") if s]
+    sigmas = noise_scales(options.sigma)
     objectives = choices(options.objective, OBJECTIVES, "--objective")
     couplings = choices(options.coupling, COUPLINGS, "--coupling")
+    check_before_loading(options)
     task = get_task(options.task) if options.task else None
     reward_funcs = load_reward_funcs(options.reward.split(",")) if options.reward else [task.reward]
     if options.dataset is None:
@@ -126,7 +158,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         probe = Probe.of(trainer, options.seed)
         rows = [[dataset[i] for i in batch] for batch in batches]
         records = diagnose(probe, rows, sigmas, objectives, couplings, options.resamples)
-    os.makedirs(options.out, exist_ok=True)
     atomic_write_text(os.path.join(options.out, "diagnose.json"), json.dumps(records, indent=1))
     text = table(records)
     atomic_write_text(os.path.join(options.out, "diagnose.md"), text + "\n")

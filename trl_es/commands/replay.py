@@ -15,7 +15,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--base", help="the model training started from (default: the one the chain names)")
     parser.add_argument("--out", required=True, help="a new directory for the rebuilt model")
     parser.add_argument("--steps", type=int, help="replay the first STEPS steps only (checkpoint-STEPS's weights)")
-    parser.add_argument("--force", action="store_true", help="replay even if the base weights' SHA-256 differs")
+    parser.add_argument("--force", action="store_true", help="replay even if the base weights' SHA-256 differs (and "
+                        "keep a result that misses the chain's tip)")  # fmt: skip
     options = parser.parse_args(argv)
     chain = load_chain(options.chain)
     base = chain.header["base"]

@@ -22,7 +22,6 @@ Registered here: `FullSpace` (full ES), `CoPESSpace` (cooperative subspaces), `L
 from __future__ import annotations
 
 import contextlib
-import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -248,29 +247,6 @@ class SearchSpace:
 
     def load_state(self, folder: str) -> None:
         """Read what `save_state` wrote."""
-
-
-def optimizer_header(optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter]) -> dict:
-    """What rebuilds `optimizer` over `params` (a torch.optim class): its class name, defaults, and per param group
-    its parameter names and options. Parameters outside `params` (not trained by ES) are left out."""
-    names = {id(p): name for name, p in params.items()}
-    groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "parameters": [names[id(p)] for p in group["params"]
-                                                                            if id(p) in names]}
-        for group in optimizer.param_groups
-    ]  # fmt: skip
-    return {"class": type(optimizer).__name__, "defaults": optimizer.defaults, "groups": groups}
-
-
-def rebuild_optimizer(header: dict, params: dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer `optimizer_header` describes; only torch.optim classes (a chain names no code to import)."""
-    cls = getattr(torch.optim, header["class"], None)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ValueError(f"a seed chain can replay torch.optim optimizers only, not {header['class']!r}")
-    groups = [{**{k: v for k, v in g.items() if k != "parameters"}, "params": [params[n] for n in g["parameters"]]}
-              for g in header["groups"]]  # fmt: skip
-    accepted = inspect.signature(cls).parameters  # defaults may hold derived entries (AdamW's decoupled_weight_decay)
-    return cls(groups, **{k: v for k, v in header["defaults"].items() if k in accepted})
 
 
 def step_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor], learning_rates: list[float]):

@@ -196,7 +196,8 @@ def _number(value) -> float | None:
 
 def statistics(x: torch.Tensor, resamples: int = 1000, seed: int = 0, level: float = 0.95) -> dict:
     """`STATISTICS` of (P, 3) values (X0, X+, X−) across directions, each with its percentile bootstrap interval at
-    `level` over `resamples` resamplings of the directions (`<statistic>_ci`: [low, high]; None where undefined),
+    `level` over `resamples` resamplings of the directions (`<statistic>_ci`: [low, high]; both None where the
+    statistic is undefined, as with a direction without a value, or where no resample defines it),
     plus Var(X+) and the share of directions where X+ = X− = X0 exactly (the perturbation changed nothing)."""
     if x.shape[0] < 3:
         raise ValueError(f"the statistics need at least 3 directions, got {x.shape[0]}")
@@ -208,7 +209,8 @@ def statistics(x: torch.Tensor, resamples: int = 1000, seed: int = 0, level: flo
         finite = drawn[name][torch.isfinite(drawn[name])]
         bounds = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
         interval = finite.quantile(bounds).tolist() if finite.numel() else [math.nan, math.nan]
-        record[name], record[f"{name}_ci"] = _number(point[name]), [_number(v) for v in interval]
+        value = _number(point[name])
+        record[name], record[f"{name}_ci"] = value, [None if value is None else _number(v) for v in interval]
     record["var_plus"] = float(x[:, 1].var())
     record["unchanged"] = float(((x[:, 1] == x[:, 0]) & (x[:, 2] == x[:, 0])).double().mean())
     return record

@@ -111,6 +111,11 @@ def check_optimizers(args, optimizers, optimizer_cls_and_kwargs) -> None:
             "optimizer ESTrainer does not step. Pass (optimizer, scheduler), or give the optimizer with "
             "`optimizer_cls_and_kwargs` and the schedule with lr_scheduler_type"
         )
+    if scheduler is not None and scheduler.optimizer is not optimizer:
+        raise ValueError(
+            "`optimizers` holds a scheduler built on another optimizer than the one it holds: it would set the "
+            "learning rate of an optimizer ESTrainer does not step. Build the scheduler on the optimizer you pass"
+        )
 
 
 def check_optimizer_parameters(optimizer, params: dict) -> None:

@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import tempfile
+import threading
 
 
 def fsync_tree(path: str) -> None:
@@ -34,16 +35,19 @@ def fsync_directory(path: str) -> None:
 
 @contextlib.contextmanager
 def interrupts_held():
-    """Ctrl-C (SIGINT) is delivered after the block, not inside it (main thread only; elsewhere a no-op)."""
-    try:
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    except (ValueError, OSError):
-        blocked = None
+    """Ctrl-C (SIGINT), whichever thread of the process takes it, is delivered after the block, not inside it.
+    Python raises KeyboardInterrupt in the main thread only, so a block in another thread holds nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    taken = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: taken.append(signum))
     try:
         yield
     finally:
-        if blocked is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        signal.signal(signal.SIGINT, previous)
+        if taken:  # delivered now, to the handler the block found (KeyboardInterrupt; an outer block's holding)
+            signal.raise_signal(signal.SIGINT)
 
 
 def publish_directory(staging: str, target: str) -> None:
@@ -54,8 +58,8 @@ def publish_directory(staging: str, target: str) -> None:
         if os.path.exists(target):
             os.replace(target, replaced)
         os.replace(staging, target)
-    fsync_directory(os.path.dirname(os.path.abspath(target)))
-    shutil.rmtree(replaced, ignore_errors=True)
+        fsync_directory(os.path.dirname(os.path.abspath(target)))
+        shutil.rmtree(replaced, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
@@ -102,9 +106,10 @@ def atomic_directory(target: str):
     os.makedirs(parent, exist_ok=True)
     clear_crashed_staging(target)
     prefix = f".{os.path.basename(os.path.abspath(target))}.{os.getpid()}."
-    with interrupts_held():  # no Ctrl-C between making the staging and owning its clean-up
-        staging = staging_directory(prefix, parent)
+    staging = None
     try:
+        with interrupts_held():  # no Ctrl-C between making the staging and owning its clean-up
+            staging = staging_directory(prefix, parent)
         yield staging
         if not os.path.isdir(target):
             publish_directory(staging, target)
@@ -116,7 +121,8 @@ def atomic_directory(target: str):
         fsync_directory(target)
     finally:
         with interrupts_held():  # a second Ctrl-C does not cut the clean-up short
-            shutil.rmtree(staging, ignore_errors=True)
+            if staging is not None:
+                shutil.rmtree(staging, ignore_errors=True)
 
 
 def atomic_write_text(path: str, text: str) -> None:
