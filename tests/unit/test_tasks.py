@@ -1,6 +1,7 @@
 """The reasoning tasks: loaders on the real benchmark files (first rows, tests/data), rewards and answer extraction."""
 
 import json
+import time
 
 import pytest
 
@@ -148,3 +149,30 @@ def test_small_sums_last_scores_the_last_integer_the_first_integer_check_misses(
     assert TASKS["small_sums"].reward(completions[:1], ["16"]) == [0.0]  # the first integer is the operand 12
     assert [task.extract_answer(c) for c in ["12 + 4 equals 16.", "none"]] == ["16", None]
     assert task.load("test")["answer"] == TASKS["small_sums"].load("test")["answer"]  # the same problems
+
+
+@pytest.mark.parametrize(
+    ("extract", "before"),
+    [
+        (choice_answer, "answer"),
+        (choice_answer, "The answer is"),
+        (gsm8k_answer, "####"),
+        (gsm8k_answer, "\\boxed{"),
+        (gsm8k_answer, "1"),
+    ],  # fmt: skip
+)
+def test_a_long_run_of_whitespace_or_commas_is_parsed_in_linear_time(extract, before):
+    """28k characters of whitespace after "answer" took 7.5–9 s in CommonsenseQA's and GPQA's parser (the pattern
+    tried every split of the run between its two `\\s*`); GSM8K's `####` and `\\boxed{` had the same shape, and
+    its numbers backtracked through a run of commas."""
+    for run in (" " * 28_000, "\n" * 28_000, "," * 28_000):
+        start = time.perf_counter()
+        assert extract(before + run + "x") in (None, "1")
+        assert time.perf_counter() - start < 0.5, (before, run[0])
+
+
+def test_answer_parsers_read_the_answer_after_any_spacing():
+    assert [choice_answer(text) for text in ["answer:B", "The answer is  :  (C)", "answer\n\nD", "choice is E"]] == [
+        "B", "C", "D", "E"
+    ]  # fmt: skip
+    assert [gsm8k_answer(t) for t in ["####  $ 1,000", "\\boxed{ $ -2.5 }", "so ,5 and 1,,"]] == ["1000", "-2.5", "1"]

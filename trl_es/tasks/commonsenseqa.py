@@ -16,7 +16,8 @@ from .data import as_prompt, completion_text, load_rows, local_data, require_col
 
 INSTRUCTION = 'Answer with the letter of the correct choice, as "Answer: X".'
 _LOCAL_FILES = {"train": "commonsenseqa/train_rand_split.jsonl", "validation": "commonsenseqa/dev_rand_split.jsonl"}
-_AFTER_ANSWER = re.compile(r"(?i:answer|choice)\s*(?:(?i:is)\s*)?:?\s*\(?([A-E])\b")
+# each run of whitespace is read by one `\s*` (two in a row tried every split of it: quadratic time)
+_AFTER_ANSWER = re.compile(r"(?i:answer|choice)\s*(?:(?i:is)\s*)?(?::\s*)?\(?([A-E])\b")
 _JUST_A_LETTER = re.compile(r"\s*\(?([A-E])\)?[.:]?\s*")
 _CHOICE_LINE = re.compile(r"^[ \t]*\(?([A-E])[.):][ \t]", re.MULTILINE)  # `B. water`, `(B) water` at a line's start
 

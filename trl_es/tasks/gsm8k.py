@@ -15,9 +15,10 @@ from .data import as_prompt, completion_text, load_rows, local_data, require_col
 
 
 TEMPLATE = '{question} Let\'s think step by step and output the final answer after "####".'
-_NUMBER = r"-?[\d,]*\.?\d+"
-_AFTER_HASHES = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
-_BOXED = re.compile(r"\\boxed\{\s*\$?\s*(" + _NUMBER + r")\s*\}")
+# Linear time: a number starts with a digit or a point (not a comma), each run of whitespace is read by one `\s*`
+_NUMBER = r"-?(?:\d[\d,]*)?\.?\d+"
+_AFTER_HASHES = re.compile(r"####\s*(?:\$\s*)?(" + _NUMBER + ")")
+_BOXED = re.compile(r"\\boxed\{\s*(?:\$\s*)?(" + _NUMBER + r")\s*\}")
 _ANY_NUMBER = re.compile(_NUMBER)
 
 
