@@ -176,3 +176,46 @@ def test_answer_parsers_read_the_answer_after_any_spacing():
         "B", "C", "D", "E"
     ]  # fmt: skip
     assert [gsm8k_answer(t) for t in ["####  $ 1,000", "\\boxed{ $ -2.5 }", "so ,5 and 1,,"]] == ["1000", "-2.5", "1"]
+
+
+ROWS = {  # each task's smallest good row from a file, and the column holding its reference answer
+    "gsm8k": ({"question": "1+1?", "answer": "so #### 2"}, "answer"),
+    "math500": ({"problem": "1+1?", "answer": "2"}, "answer"),
+    "aime24": ({"problem": "1+1?", "answer": "2"}, "answer"),
+    "amc23": ({"question": "1+1?", "answer": 2.0}, "answer"),
+    "deepscaler": ({"problem": "1+1?", "answer": "2"}, "answer"),
+    "commonsenseqa": (
+        {"id": "x", "question": {"stem": "1+1?", "choices": [{"label": "A", "text": "2"}]}, "answerKey": "A"},
+        "answerKey",
+    ),
+    "hotpotqa": (
+        {"question": "1+1?", "answer": "2", "context": {"title": ["T"], "sentences": [["1+1=2."]]}},
+        "answer",
+    ),
+    "mbpp": ({"task_id": 11, "prompt": "p", "test_list": ["assert True"], "test_imports": []}, "test_list"),
+    "countdown": ({"target": 3, "nums": [1, 2]}, "target"),
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "missing"),
+    [*((name, None) for name in ROWS), ("commonsenseqa", " "), ("math500", ""), ("mbpp", [])],
+)
+def test_a_row_without_its_reference_answer_is_refused_naming_the_file_and_the_row(tmp_path, name, missing):
+    """A null answer loaded silently and then scored non-answers as correct (CommonsenseQA: None == None)."""
+    row, column = ROWS[name]
+    task = TASKS[name]
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text(json.dumps(row) + "\n")
+    bad.write_text("\n".join(json.dumps(r) for r in [row, row, {**row, column: missing}]) + "\n")
+    assert len(task.load(task.eval_split, source=str(good))) == 1
+    with pytest.raises(ValueError, match=rf"^'{bad}' row 3 has no '{column}' \(its reference answer\)") as error:
+        task.load(task.eval_split, source=str(bad))
+    assert "\n" not in str(error.value)
+
+
+def test_rewards_never_credit_a_missing_reference_answer():
+    non_answers = ["I do not know.", "\\boxed{None}", "Answer: None", "####", "Answer: yes"]
+    for name, task in TASKS.items():
+        if task.answer_columns == ("answer",):
+            assert task.reward(non_answers, [None] * len(non_answers)) == [0.0] * len(non_answers), name

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from .data import as_prompt, completion_text, load_rows, local_data, require_columns
+from .data import as_prompt, completion_text, load_rows, local_data, require_answers, require_columns
 
 
 INSTRUCTION = 'Answer with the letter of the correct choice, as "Answer: X".'
@@ -33,6 +33,7 @@ def commonsenseqa(split: str = "validation", source: str | None = None, conversa
     source = source or local_data(_LOCAL_FILES[split], hub_id="tau/commonsense_qa")
     rows = load_rows(source, split)
     require_columns(rows, ["question", "answerKey"], source)
+    require_answers(rows, "answerKey", source)
     return rows.map(lambda row: _format(row, conversational), remove_columns=rows.column_names)
 
 
@@ -60,5 +61,8 @@ def extract_answer(text: str) -> str | None:
 
 
 def choice_reward(completions, answer, **kwargs) -> list[float]:
-    """TRL-signature reward: 1.0 when the completion's letter is `answer`, else 0.0."""
-    return [float(extract_answer(completion_text(c)) == a) for c, a in zip(completions, answer, strict=True)]
+    """TRL-signature reward: 1.0 when the completion's letter is `answer`, else 0.0 (also when `answer` is missing)."""
+    return [
+        float(a is not None and extract_answer(completion_text(c)) == a)
+        for c, a in zip(completions, answer, strict=True)
+    ]

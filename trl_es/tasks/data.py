@@ -50,6 +50,14 @@ def require_columns(dataset: Dataset, columns: list[str], source: str) -> None:
         raise ValueError(f"{source!r} has no column(s) {missing} (columns: {dataset.column_names})")
 
 
+def require_answers(dataset: Dataset, column: str, source: str) -> None:
+    """A clear error naming the first row of `source` whose reference answer (`column`) is missing (null, blank or
+    empty): a missing reference would score non-answers as correct."""
+    for row, answer in enumerate(dataset[column], start=1):
+        if answer is None or (isinstance(answer, str) and not answer.strip()) or answer == []:
+            raise ValueError(f"{source!r} row {row} has no {column!r} (its reference answer); fix or remove the row")
+
+
 def as_prompt(text: str, conversational: bool):
     """One user message (a chat prompt) or the plain text."""
     return [{"role": "user", "content": text}] if conversational else text

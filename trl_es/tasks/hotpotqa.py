@@ -17,7 +17,7 @@ from collections import Counter
 
 from datasets import Dataset
 
-from .data import as_prompt, completion_text, load_rows, local_data, require_columns
+from .data import as_prompt, completion_text, load_rows, local_data, require_answers, require_columns
 
 
 INTRODUCTION = "Answer the question using the paragraphs below."
@@ -38,6 +38,7 @@ def hotpotqa(split: str = "validation", source: str | None = None, conversationa
     source = source or local_data(_LOCAL_FILES[split], hub_id="hotpotqa/hotpot_qa")
     rows = load_rows(source, split, hub_config="distractor")
     require_columns(rows, ["question", "answer", "context"], source)
+    require_answers(rows, "answer", source)
     return rows.map(lambda row: _format(row, conversational), remove_columns=rows.column_names)
 
 
@@ -73,10 +74,12 @@ def extract_answer(text: str) -> str | None:
     return answer or None
 
 
-def f1(prediction: str | None, reference: str) -> float:
-    """Token F1 of a normalised prediction against a reference (0 for None, or a yes/no mismatch)."""
+def f1(prediction: str | None, reference: str | None) -> float:
+    """Token F1 of a normalised prediction against a reference (0 for either None, or a yes/no mismatch)."""
+    if prediction is None or reference is None:
+        return 0.0
     reference = normalize(reference)
-    if prediction is None or ({prediction, reference} & _SPECIAL and prediction != reference):
+    if {prediction, reference} & _SPECIAL and prediction != reference:
         return 0.0
     common = sum((Counter(prediction.split()) & Counter(reference.split())).values())
     if common == 0:
@@ -87,9 +90,12 @@ def f1(prediction: str | None, reference: str) -> float:
 
 def hotpotqa_reward(completions, answer, log_metric=None, **kwargs) -> list[float]:
     """TRL-signature reward: 1.0 when the completion's answer matches `answer` exactly after normalisation, else
-    0.0; the batch's mean token F1 goes to `log_metric("hotpotqa_f1", …)` when given."""
+    0.0 (also when `answer` is missing); the batch's mean token F1 goes to `log_metric("hotpotqa_f1", …)` when
+    given."""
     predictions = [extract_answer(completion_text(c)) for c in completions]
     if log_metric is not None and predictions:
         scores = [f1(p, a) for p, a in zip(predictions, answer, strict=True)]
         log_metric("hotpotqa_f1", sum(scores) / len(scores))
-    return [float(p is not None and p == normalize(a)) for p, a in zip(predictions, answer, strict=True)]
+    return [
+        float(p is not None and a is not None and p == normalize(a)) for p, a in zip(predictions, answer, strict=True)
+    ]

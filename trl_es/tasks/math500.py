@@ -9,7 +9,7 @@ intervals, expressions…); its vote for Maj@K is math-verify's string form of w
 from __future__ import annotations
 
 from ..util.compat import import_extra
-from .data import as_prompt, completion_text, load_rows, local_data, require_columns
+from .data import as_prompt, completion_text, load_rows, local_data, require_answers, require_columns
 
 
 TEMPLATE = "{problem} Let's think step by step and output the final answer within \\boxed{{}}."
@@ -23,6 +23,7 @@ def math500(split: str = "test", source: str | None = None, conversational: bool
     source = source or local_data("math500/test.jsonl", hub_id="HuggingFaceH4/MATH-500")
     rows = load_rows(source, split)
     require_columns(rows, ["problem", "answer"], source)
+    require_answers(rows, "answer", source)
     return rows.map(lambda row: {"prompt": as_prompt(TEMPLATE.format(problem=row["problem"]), conversational)})
 
 
@@ -42,12 +43,14 @@ def extract_answer(text: str) -> str | None:
 
 
 def math_reward(completions, answer, **kwargs) -> list[float]:
-    """TRL-signature reward: 1.0 when the completion's answer is equivalent to `answer` (math-verify), else 0.0."""
+    """TRL-signature reward: 1.0 when the completion's answer is equivalent to `answer` (math-verify), else 0.0 (also
+    when `answer` is missing)."""
     verify = import_extra("math_verify", "tasks", "the math500 task").verify
 
     rewards = []
     for completion, reference in zip(completions, answer, strict=True):
-        gold, predicted = _parse(f"${reference}$"), _parse(completion_text(completion))
+        gold = [] if reference is None else _parse(f"${reference}$")  # None would read as the symbols N·o·n·e
+        predicted = _parse(completion_text(completion))
         try:
             rewards.append(float(bool(gold and predicted and verify(gold, predicted))))
         except Exception:  # noqa: BLE001 — a comparison math-verify cannot make counts as wrong
