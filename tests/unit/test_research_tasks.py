@@ -207,6 +207,20 @@ def test_hotpotqa_hub_layout_and_errors(tmp_path):
         hotpotqa("test")
 
 
+@pytest.mark.parametrize("answers", [[3677, 12], [3677, "yes"]], ids=["numbers", "numbers-and-text"])
+def test_hotpotqa_numeric_answers_are_read_as_text(tmp_path, answers):
+    """A file whose answers are JSON numbers loaded, then the reward crashed (`int.lower`)."""
+    path = tmp_path / "hotpot.jsonl"
+    context = {"title": ["Stadium"], "sentences": [["It seats 3677."]]}
+    path.write_text("\n".join(json.dumps({"question": "?", "answer": a, "context": context}) for a in answers))
+    rows = hotpotqa(source=str(path))
+    assert rows["answer"][:] == [str(a) for a in answers]
+    assert hotpotqa_reward(["Answer: 3677", "Answer: 12"], rows["answer"][:]) == [1.0, float(answers[1] == 12)]
+    metrics = []
+    assert hotpotqa_reward(["Answer: 3,677"], [3677], log_metric=lambda *m: metrics.append(m)) == [1.0]
+    assert metrics == [("hotpotqa_f1", 1.0)]  # a caller's own numbers: as text too
+
+
 def test_hotpotqa_exact_match_and_f1():
     answers = hotpotqa()["answer"][:]
     completions = [

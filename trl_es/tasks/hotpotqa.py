@@ -3,10 +3,11 @@ relevant, scored by exact match of a short answer.
 
 Prompt template: `Answer the question using the paragraphs below.`, then each paragraph as `{title}: {sentences}`
 (blank lines between), then `Question: {question}` and `Give a short answer (a few words, or yes/no) on the last line,
-as "Answer: <answer>".`, as one user message (or plain text). Answer column `answer`. The completion's answer is the
-first line of text after its last `Answer:`; it is correct when it equals `answer` after SQuAD's normalisation
-(lowercase; punctuation, the articles a/an/the and extra whitespace removed). The reward also logs the mean token F1
-(HotpotQA's: yes/no/noanswer score only against themselves) as `hotpotqa_f1` when the trainer passes `log_metric`.
+as "Answer: <answer>".`, as one user message (or plain text). Answer column `answer`, as text (a file's numbers too).
+The completion's answer is the first line of text after its last `Answer:`; it is correct when it equals `answer`
+after SQuAD's normalisation (lowercase; punctuation, the articles a/an/the and extra whitespace removed). The reward
+also logs the mean token F1 (HotpotQA's: yes/no/noanswer score only against themselves) as `hotpotqa_f1` when the
+trainer passes `log_metric`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def hotpotqa(split: str = "validation", source: str | None = None, conversationa
     rows = load_rows(source, split, hub_config="distractor")
     require_columns(rows, ["question", "answer", "context"], source)
     require_answers(rows, "answer", source)
+    rows = rows.remove_columns("answer").add_column("answer", [str(answer) for answer in rows["answer"]])
     return rows.map(lambda row: _format(row, conversational), remove_columns=rows.column_names)
 
 
@@ -78,7 +80,7 @@ def f1(prediction: str | None, reference: str | None) -> float:
     """Token F1 of a normalised prediction against a reference (0 for either None, or a yes/no mismatch)."""
     if prediction is None or reference is None:
         return 0.0
-    reference = normalize(reference)
+    reference = normalize(str(reference))
     if {prediction, reference} & _SPECIAL and prediction != reference:
         return 0.0
     common = sum((Counter(prediction.split()) & Counter(reference.split())).values())
@@ -97,5 +99,6 @@ def hotpotqa_reward(completions, answer, log_metric=None, **kwargs) -> list[floa
         scores = [f1(p, a) for p, a in zip(predictions, answer, strict=True)]
         log_metric("hotpotqa_f1", sum(scores) / len(scores))
     return [
-        float(p is not None and a is not None and p == normalize(a)) for p, a in zip(predictions, answer, strict=True)
+        float(p is not None and a is not None and p == normalize(str(a)))
+        for p, a in zip(predictions, answer, strict=True)
     ]
