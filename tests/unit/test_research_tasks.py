@@ -167,6 +167,39 @@ def test_gpqa_csv_and_missing_copies(tmp_path, monkeypatch):
         gpqa("train")
 
 
+def test_gpqa_files_that_are_not_the_authors_are_one_line_errors_naming_them(tmp_path, monkeypatch):
+    """Tracebacks the CLI did not catch: RuntimeError (another password), BadZipFile (a login page or a Git LFS
+    pointer saved as dataset.zip), AttributeError (a CSV row short of fields)."""
+    zip_path = tmp_path / "dataset.zip"
+    for text in ["<html><body>Sign in to GitHub</body></html>", "version https://git-lfs.github.com/spec/v1\n"]:
+        zip_path.write_text(text)
+        with pytest.raises(ValueError, match=rf"^'{zip_path}' is not the authors' GPQA zip \(.*\)\. GPQA is gated"):
+            gpqa(source=str(zip_path))
+    real = os.path.join(os.environ["TRL_ES_DATA"], "gpqa", "dataset.zip")
+    monkeypatch.setitem(_zip_member.__globals__, "_ZIP_PASSWORD", b"another password")
+    with pytest.raises(ValueError, match=rf"^'{real}' is not the authors' GPQA zip \(.*password.*\)"):
+        gpqa(source=real)
+    columns = ["Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3"]
+    rows = {"short": ["Which is a noble gas?", "Neon", "Iron"], "long": ["Which?", "Neon", "Iron", "Tin", "Lead", "?"]}
+    for name, row in rows.items():
+        path = tmp_path / f"{name}.csv"
+        with path.open("w", newline="") as file:
+            csv.writer(file).writerows([columns, columns[:1] * 5, row])
+        with pytest.raises(ValueError, match=rf"^'{path}' row 2 has {len(row)} fields, its header 5; fix or remove"):
+            gpqa(source=str(path))
+    path = tmp_path / "blank.csv"
+    with path.open("w", newline="") as file:
+        csv.writer(file).writerows([columns, ["Which is a noble gas?", " ", "Iron", "Sodium", "Carbon"]])
+    with pytest.raises(ValueError, match=rf"^'{path}' row 1 has no 'Correct Answer' \(its reference answer\)"):
+        gpqa(source=str(path))
+    path.write_bytes(b"Question,\xff\xfe")
+    with pytest.raises(ValueError, match=rf"^'{path}' is not UTF-8 text"):
+        gpqa(source=str(path))
+    path.write_text("Question\n" + "x" * 200_000)  # csv.Error: beyond the csv module's field limit
+    with pytest.raises(ValueError, match=rf"^'{path}' could not be read as CSV \(field larger"):
+        gpqa(source=str(path))
+
+
 def test_hotpotqa_loader_puts_the_ten_paragraphs_in_the_prompt():
     rows = hotpotqa()
     assert len(rows) == 8 and {"prompt", "question", "answer", "type"} <= set(rows.column_names)
