@@ -107,6 +107,42 @@ def test_local_files_and_their_errors(tmp_path, monkeypatch):
     assert local_data("gsm8k/test.jsonl", hub_id="openai/gsm8k") == "openai/gsm8k"
 
 
+@pytest.mark.parametrize(
+    ("name", "text", "problem"),
+    [
+        (
+            "truncated.jsonl",
+            '{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?", "ans',
+            r"is not JSON at line 2 \(Unterminated string.*\)",
+        ),
+        ("prose.jsonl", "Here are the problems:\n", r"is not JSON at line 1 \(Expecting value\)"),
+        (
+            "blank_line.jsonl",
+            '{"question": "1+1?", "answer": "#### 2"}\n\n{"question"\n',
+            r"is not JSON at line 3 \(Expecting ':' delimiter\)",
+        ),
+        ("empty.jsonl", "", "is empty"),
+        ("blank.json", "\n\n", "is empty"),
+        (
+            "truncated.json",
+            '[\n{"question": "1+1?", "answer": "#### 2"},\n{"question": "2+',
+            r"is not JSON at line 3 \(Unterminated string.*\)",
+        ),
+    ],
+)
+def test_a_malformed_data_file_is_a_one_line_error_naming_the_file_and_line(tmp_path, capsys, name, text, problem):
+    """datasets' DatasetGenerationError (or a bare StopIteration for an empty file) was a traceback."""
+    from trl_es.cli import main as cli
+
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"^'{path}' {problem}$") as message:
+        gsm8k(source=str(path))
+    assert cli(["eval", "--model", "no-such-model", "--task", "gsm8k", "--source", str(path)]) == 1
+    error = capsys.readouterr().err
+    assert error.endswith(f"trl-es eval: {message.value}\n") and "Traceback" not in error
+
+
 @pytest.mark.slow  # 30 MBPP programs through the sandbox
 def test_every_task_rewards_its_reference_answers_and_only_them():
     """Reward ≥ 1 exactly for correct answers (the evaluation's notion of correct), on the real rows."""
