@@ -32,6 +32,55 @@ def test_score_problems_by_hand():
     assert "maj@1" not in score_problems(rows, correct, None, 3, [1])
 
 
+class FixedCompletions:
+    """A rollout that answers every problem with the same completions (n of them)."""
+
+    records_entropy = False
+
+    def __init__(self, completions):
+        self.completions = completions
+
+    def __call__(self, rows, n, seeds, key=None, record_entropy=False):
+        from trl_es.generation import Completions
+
+        completions = [c for _ in rows for c in self.completions]
+        return Completions([row["prompt"] for row in rows for _ in range(n)], completions, [[0]] * len(completions),
+                           [False] * len(completions))  # fmt: skip
+
+
+def test_maj_at_k_votes_by_the_tasks_equivalence_of_answers(tmp_path):
+    """Math's Maj@K voted by the matched text: 25, 025 and \\frac{50}{2} were three answers and the two wrong 7s won
+    (Maj@5 0 while 3 of the 5 samples verify). Votes are grouped by math-verify's equivalence, also when a resumed
+    evaluation scores the answers its records kept."""
+    from datasets import Dataset
+
+    from trl_es.evaluation.loop import evaluate_task
+    from trl_es.tasks import TASKS
+
+    rollout = FixedCompletions(
+        ["\\boxed{25}", "\\boxed{025}", "\\boxed{\\frac{50}{2}}", "\\boxed{7}", "so \\boxed{7}"]
+    )
+    dataset = Dataset.from_dict({"prompt": ["2 + 23?", "5 * 5?"], "answer": ["25", "25"]})
+    records = str(tmp_path / "math500.jsonl")
+    arguments = (
+        TASKS["math500"],
+        dataset,
+        5,
+        [1, 3, 5],
+        records,
+        {"seed": 0, "weights_sha256": "θ"},
+        1,
+        "stub",
+        lambda message: None,
+    )
+    scores = evaluate_task(rollout, *arguments)
+    assert scores["pass@1"] == pytest.approx(3 / 5) and scores["maj@1"] == pytest.approx(3 / 5)
+    # K = 3: the three 25s win unless the subset holds both 7s (3 of the C(5, 3) = 10 subsets: 7, 7 and one 25)
+    assert scores["maj@3"] == pytest.approx(7 / 10) and scores["maj@5"] == 1.0
+    assert json.loads(read_lines(records)[1])["answers"] == ["25", "025", "\\frac{50}{2}", "7", "7"]
+    assert evaluate_task(FixedCompletions(["none"] * 5), *arguments) == scores  # read back from the records
+
+
 def test_pareto_front():
     points = {"base": (0.2, 0.6), "grpo": (0.5, 0.55), "es": (0.3, 0.7), "worse": (0.25, 0.5)}
     assert pareto_front(points) == ["es", "grpo"]

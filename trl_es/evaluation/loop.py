@@ -36,7 +36,7 @@ from ..rollout import PlainRollout, Rollout
 from ..tasks import SUCCESS_THRESHOLD, Task, get_task
 from ..tasks.data import completion_text
 from ..util.atomic import atomic_write_text
-from .metrics import maj_at_k, pass_at_k
+from .metrics import maj_at_k, pass_at_k, vote_classes
 from .protocol import resolve_protocol
 from .report import averages, heldout_change, plot_pareto, plot_pass_at_k, tables
 
@@ -45,17 +45,28 @@ RECORDS_FORMAT = 2
 """Version of the records files: a file of another version is refused, not mixed in."""
 
 
-def score_problems(rows: list[dict], correct: list[bool], answers: list | None, n: int, k_values: list[int]) -> dict:
-    """Pass@K and Maj@K summed over `rows`, from their n-per-problem verdicts and answers (prompt-major order)."""
+def score_problems(
+    rows: list[dict],
+    correct: list[bool],
+    answers: list | None,
+    n: int,
+    k_values: list[int],
+    same_answer: Callable[[str, str], bool] | None = None,
+) -> dict:
+    """Pass@K and Maj@K summed over `rows`, from their n-per-problem verdicts and answers (prompt-major order); a
+    problem's answers that `same_answer` (the task's `Task.same_answer`) holds equal are one vote."""
     sums = {f"pass@{k}": 0.0 for k in k_values}
     if answers is not None:
         sums.update({f"maj@{k}": 0.0 for k in k_values})
     for p in range(len(rows)):
         verdicts = correct[p * n : (p + 1) * n]
+        votes = None if answers is None else answers[p * n : (p + 1) * n]
+        if votes is not None and same_answer is not None:
+            votes = vote_classes(votes, same_answer)
         for k in k_values:
             sums[f"pass@{k}"] += pass_at_k(n, sum(verdicts), k)
-            if answers is not None:
-                sums[f"maj@{k}"] += maj_at_k(answers[p * n : (p + 1) * n], verdicts, k)
+            if votes is not None:
+                sums[f"maj@{k}"] += maj_at_k(votes, verdicts, k)
     return sums
 
 
@@ -69,12 +80,13 @@ def evaluate_batch(
     extract: Callable[[str], str | None] | None = None,
     success_threshold: float = SUCCESS_THRESHOLD,
     key=None,
+    same_answer: Callable[[str, str], bool] | None = None,
 ) -> dict:
     """One batch of problems: n completions per row of θ from the `rollout` (completion seeds from the batch's
     `seed`; an agent run's environments reset under `key`), rewarded by `rewards_of(rows, completions)` (a
     tensor, NaN = no reward); a completion is correct when its reward is ≥ `success_threshold`. Returns the batch's
-    record: the problems' summed Pass@K (and Maj@K over the answers `extract` finds), the sums of rewards, tokens
-    and token entropies, and each completion's verdict and answer."""
+    record: the problems' summed Pass@K (and Maj@K over the answers `extract` finds, grouped by `same_answer`:
+    `score_problems`), the sums of rewards, tokens and token entropies, and each completion's verdict and answer."""
     seeds = completion_seeds(seed, len(rows), n)
     result = rollout(rows, n, seeds, key=key, record_entropy=rollout.records_entropy)
     rewards = torch.as_tensor(rewards_of(rows, result), dtype=torch.float64)
@@ -83,7 +95,7 @@ def evaluate_batch(
     valid = ~rewards.isnan()
     return {
         "problems": len(rows),
-        **score_problems(rows, correct, answers, n, k_values),
+        **score_problems(rows, correct, answers, n, k_values, same_answer),
         "completions": len(correct),
         "reward_sum": float(rewards[valid].sum()),
         "rewards": int(valid.sum()),
@@ -233,7 +245,8 @@ def evaluate_task(
     sizes = {b: min(batch_size, len(dataset) - b * batch_size) for b in range(n_batches)}
     done = _read_records(records_path, settings, sizes, n, progress)
     for record in done.values():  # Pass@K / Maj@K for this run's K, from the kept verdicts and answers
-        record.update(score_problems(range(record["problems"]), record["correct"], record["answers"], n, k_values))
+        problems, correct, answers = range(record["problems"]), record["correct"], record["answers"]
+        record.update(score_problems(problems, correct, answers, n, k_values, task.same_answer))
     rewards = RewardFunctions(task.reward)
     rewards_of = lambda rows, completions: rewards.combine(rewards.score(rows, completions))  # noqa: E731
     start = time.perf_counter()
@@ -246,7 +259,8 @@ def evaluate_task(
             rows = dataset.select(range(b * batch_size, min((b + 1) * batch_size, len(dataset)))).to_list()
             with torch.no_grad():
                 seed = eval_seed(settings["seed"], 0, b * batch_size)
-                record = evaluate_batch(rollout, rows, n, seed, rewards_of, k_values, task.extract_answer)
+                record = evaluate_batch(rollout, rows, n, seed, rewards_of, k_values, task.extract_answer,
+                                        same_answer=task.same_answer)  # fmt: skip
             done[b] = {"batch": b, **record}
             out.write(json.dumps(done[b]) + "\n")
             out.flush()
