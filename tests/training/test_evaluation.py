@@ -4,6 +4,7 @@ plots it writes, resume per (model, task), bad input."""
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -272,6 +273,28 @@ def test_batch_size_below_one_is_a_one_line_error_before_any_model_is_loaded(tmp
         error = capsys.readouterr().err
         assert error == f"trl-es eval: --batch-size must be ≥ 1 problem per generate call, got {size}\n"
     assert not (tmp_path / "eval").exists()
+
+
+def test_eval_refuses_a_file_as_out_dir_a_missing_vllm_and_bad_decoding_before_loading_a_model(
+    tmp_path, capsys, monkeypatch
+):
+    """Were a FileExistsError traceback, an ImportError traceback once the model had loaded, the task's default
+    length taken silently for 0, and an infinite temperature accepted."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # not installed: `import vllm` raises ImportError
+    a_file = tmp_path / "results"
+    a_file.write_text("mine")
+    for flags, error in [
+        (["--out-dir", str(a_file)], f"--out-dir '{a_file}' cannot be made a folder (File exists); choose another"),
+        (["--use-vllm"], "use_vllm=True needs vLLM, which is not installed: "),
+        (["--max-completion-length", "0"], "--max-completion-length must be ≥ 1 token, got 0"),
+        *((["--temperature", t], f"sampling needs a finite temperature > 0, 0 < top_p ≤ 1, top_k ≥ 0 (got {t}, ")
+          for t in ("inf", "nan", "-1.0")),
+    ]:  # fmt: skip
+        argv = ["eval", "--model", "no-such-model", "--task", "small_sums", "--out-dir", str(tmp_path / "eval")]
+        assert cli([*argv, *flags]) == 1
+        printed = capsys.readouterr().err
+        assert printed.startswith(f"trl-es eval: {error}") and printed.count("\n") == 1, printed
+    assert a_file.read_text() == "mine" and not (tmp_path / "eval").exists()
 
 
 def test_bad_input_fails_before_any_model_is_loaded(tmp_path):

@@ -389,8 +389,9 @@ def evaluate_tasks(
     `protocol.DEFAULTS`. Decoding samples (`temperature` > 0, `top_p`, `top_k`; 0: off) unless `greedy` (or
     `temperature` = 0); greedy decoding gives n equal completions, so it takes n = 1. `train_task`: the task the
     models were trained on, left out of the held-out change. `use_vllm`: generate through vLLM (recorded: records of
-    the two backends are not mixed). Bad input (unknown task, K outside 1..n, batch size
-    below 1, missing columns) fails before any model is loaded or any file written."""
+    the two backends are not mixed). Bad input (unknown task, K outside 1..n, batch size or completion length
+    below 1, a temperature that is not finite, missing columns or vLLM, an `out_dir` that cannot be a folder) fails
+    before any model is loaded or any file written."""
     tasks = list(dict.fromkeys(tasks))
     if not tasks:
         raise ValueError("give at least one task")
@@ -406,12 +407,21 @@ def evaluate_tasks(
     greedy = temperature == 0
     if greedy and n != 1:
         raise ValueError(f"greedy decoding gives the same completion n={n} times: evaluate it with n=1")
-    if not greedy and not (temperature > 0 and 0 < top_p <= 1 and top_k >= 0):
+    if not greedy and not (math.isfinite(temperature) and temperature > 0 and 0 < top_p <= 1 and top_k >= 0):
         raise ValueError(
-            f"sampling needs temperature > 0, 0 < top_p ≤ 1, top_k ≥ 0 (got {temperature}, {top_p}, {top_k})"
+            f"sampling needs a finite temperature > 0, 0 < top_p ≤ 1, top_k ≥ 0 (got {temperature}, {top_p}, {top_k})"
         )
+    if values["max_completion_length"] is not None and values["max_completion_length"] < 1:
+        raise ValueError(f"--max-completion-length must be ≥ 1 token, got {values['max_completion_length']}")
     if batch_size < 1:
         raise ValueError(f"--batch-size must be ≥ 1 problem per generate call, got {batch_size}")
+    if use_vllm:
+        from ..generation.vllm_engine import require_vllm
+
+        try:
+            require_vllm()
+        except ImportError as error:  # a one-line error in the CLI, before any model is loaded
+            raise ValueError(str(error)) from error
     if not models:
         raise ValueError("give at least one model")
     if len(tasks) > 1 and (split is not None or source is not None):
@@ -436,7 +446,12 @@ def evaluate_tasks(
             **({"backend": "vllm"} if use_vllm else {}),
         }
         problems[name] = (task, dataset, settings[name])
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as error:  # a file there, or in its path
+        raise ValueError(
+            f"--out-dir {out_dir!r} cannot be made a folder ({error.strerror}); choose another"
+        ) from error
     results, taken = {"tasks": tasks, "k": k_values, "protocol": protocol_record, "train_task": train_task,
                       "settings": settings, "models": {}}, set()  # fmt: skip
     progress(f"decoding: {decoding_description(settings[tasks[0]])}")
