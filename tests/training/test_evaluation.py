@@ -82,6 +82,29 @@ def test_maj_at_k_votes_by_the_tasks_equivalence_of_answers(tmp_path):
     assert evaluate_task(FixedCompletions(["none"] * 5), *arguments) == scores  # read back from the records
 
 
+@pytest.mark.parametrize(
+    "answers", [[["7"], ["8"]], [{"vote": 7}, None], None, ["7"]], ids=["lists", "dict", "null", "one"]
+)
+def test_a_records_line_without_its_answers_as_text_is_refused_naming_the_file(tmp_path, answers):
+    """Answers that were lists crashed the resume (unhashable type: 'list'), as did a line without answers."""
+    from datasets import Dataset
+
+    from trl_es.evaluation.loop import evaluate_task
+    from trl_es.tasks import TASKS
+
+    records = tmp_path / "small_sums.jsonl"
+    dataset = Dataset.from_dict({"prompt": ["3 + 4?"], "answer": ["7"]})
+    arguments = (TASKS["small_sums"], dataset, 2, [1, 2], str(records), {"seed": 0, "weights_sha256": "θ"}, 1, "stub",
+                 lambda message: None)  # fmt: skip
+    evaluate_task(FixedCompletions(["7", "8"]), *arguments)
+    header, batch = read_lines(records)
+    records.write_text(header + "\n" + json.dumps({**json.loads(batch), "answers": answers}) + "\n")
+    with pytest.raises(
+        ValueError, match=rf"^{records} line 2 is not a batch of this evaluation \(batch 0 lacks its 2 answers"
+    ):
+        evaluate_task(FixedCompletions(["7", "8"]), *arguments)
+
+
 def test_pareto_front():
     points = {"base": (0.2, 0.6), "grpo": (0.5, 0.55), "es": (0.3, 0.7), "worse": (0.25, 0.5)}
     assert pareto_front(points) == ["es", "grpo"]

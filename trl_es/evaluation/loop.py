@@ -243,7 +243,7 @@ def evaluate_task(
     `records_path` (resuming from the batches already there), and return the scores."""
     n_batches = -(-len(dataset) // batch_size)
     sizes = {b: min(batch_size, len(dataset) - b * batch_size) for b in range(n_batches)}
-    done = _read_records(records_path, settings, sizes, n, progress)
+    done = _read_records(records_path, settings, sizes, n, task.extract_answer is not None, progress)
     for record in done.values():  # Pass@K / Maj@K for this run's K, from the kept verdicts and answers
         problems, correct, answers = range(record["problems"]), record["correct"], record["answers"]
         record.update(score_problems(problems, correct, answers, n, k_values, task.same_answer))
@@ -274,12 +274,13 @@ def evaluate_task(
 
 
 def _read_records(
-    path: str, settings: dict, sizes: dict[int, int], n: int, progress=print_progress
+    path: str, settings: dict, sizes: dict[int, int], n: int, voting: bool, progress=print_progress
 ) -> dict[int, dict]:
     """The finished batches of an earlier run with the same settings (a ValueError for other settings). Records of
     other weights (the model at that path was trained again since) are discarded, with a message: the model is
     evaluated again. A last line cut short by an interruption is dropped from the file: that batch is generated
-    again. Every record is checked against this evaluation (`sizes`: batch → problems, `n` completions each)."""
+    again. Every record is checked against this evaluation (`sizes`: batch → problems, `n` completions each, with
+    an answer each when the task is `voting`)."""
     if not os.path.isfile(path):
         return {}
     with open(path) as f:
@@ -307,7 +308,7 @@ def _read_records(
         )
     done = {}
     for number, record in enumerate(records[1:], start=2):
-        problem = _record_problem(record, sizes, n, done)
+        problem = _record_problem(record, sizes, n, voting, done)
         if problem:
             raise ValueError(
                 f"{path} line {number} is not a batch of this evaluation ({problem}); delete the file to start over"
@@ -316,7 +317,7 @@ def _read_records(
     return done
 
 
-def _record_problem(record, sizes: dict[int, int], n: int, done: dict) -> str | None:
+def _record_problem(record, sizes: dict[int, int], n: int, voting: bool, done: dict) -> str | None:
     """What is wrong with one records line, or None."""
     if not isinstance(record, dict) or type(record.get("batch")) is not int:
         return "not a batch record"
@@ -328,8 +329,15 @@ def _record_problem(record, sizes: dict[int, int], n: int, done: dict) -> str | 
     correct, answers = record.get("correct"), record.get("answers")
     if not (isinstance(correct, list) and len(correct) == sizes[batch] * n and all(type(c) is bool for c in correct)):
         return f"batch {batch} lacks its {sizes[batch] * n} verdicts"
-    if answers is not None and not (isinstance(answers, list) and len(answers) == len(correct)):
-        return f"batch {batch}'s answers do not match its verdicts"
+    texts = (
+        isinstance(answers, list)
+        and len(answers) == len(correct)
+        and all(a is None or type(a) is str for a in answers)
+    )
+    if voting and not texts:
+        return f"batch {batch} lacks its {len(correct)} answers (text or null)"
+    if not voting and answers is not None:
+        return f"batch {batch} holds answers, but this task has none to vote on"
     sums = ("completions", "reward_sum", "rewards", "tokens", "entropy_sum")
     if not all(type(record.get(key)) in (int, float) and math.isfinite(record[key]) for key in sums):
         return f"batch {batch} lacks its sums"
