@@ -227,6 +227,16 @@ def _vllm_engine(model):
     return Colocated(model.name_or_path, defaults, PartialState(), next(model.parameters()).dtype)
 
 
+def check_vllm_installed() -> None:
+    """A ValueError (one line in the CLI) when vLLM is not installed: checked before any model is loaded."""
+    from ..generation.vllm_engine import require_vllm
+
+    try:
+        require_vllm()
+    except ImportError as error:
+        raise ValueError(str(error)) from error
+
+
 def evaluate_task(
     rollout: Rollout,
     task: Task,
@@ -424,12 +434,7 @@ def evaluate_tasks(
     if batch_size < 1:
         raise ValueError(f"--batch-size must be ≥ 1 problem per generate call, got {batch_size}")
     if use_vllm:
-        from ..generation.vllm_engine import require_vllm
-
-        try:
-            require_vllm()
-        except ImportError as error:  # a one-line error in the CLI, before any model is loaded
-            raise ValueError(str(error)) from error
+        check_vllm_installed()
     if not models:
         raise ValueError("give at least one model")
     if len(tasks) > 1 and (split is not None or source is not None):
