@@ -16,6 +16,7 @@ from datasets import Dataset
 from helpers import es_config
 
 from trl_es import ESTrainer
+from trl_es.cli import main as cli
 from trl_es.util import atomic
 
 
@@ -195,3 +196,21 @@ def test_a_ctrl_c_in_a_trainers_guarded_save_waits_for_its_end(tmp_path, trained
         assert all(replaced.values()), replaced  # every file is the new save's
     else:
         assert not any(replaced.values()), replaced  # the directory is as it was
+
+
+@pytest.mark.slow  # trains a step for replay's chain; ~10 s
+def test_no_command_saves_onto_a_file(tmp_path, tiny_model_dir, prompt_dataset, capsys):
+    """A save onto a path that is a file moves the file aside to a `….partial.replaced` that nothing removes
+    (util/atomic.py, kept so): the commands that save a model or results refuse such a path before saving."""
+    trainer = ESTrainer(tiny_model_dir, reward, args=es_config(tmp_path, max_steps=1), train_dataset=prompt_dataset)
+    trainer.train()
+    trainer.save_model()  # out/es_chain.json, for replay
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    assert cli(["replay", "--chain", str(tmp_path / "out"), "--out", str(taken)]) == 1
+    assert cli(["eval", "--model", tiny_model_dir, "--task", "small_sums", "--out-dir", str(taken)]) == 1
+    with pytest.raises(SystemExit, match="2"):  # argparse's error: usage and one line
+        cli(["apply-delta", "--base", tiny_model_dir, "--delta", str(tmp_path / "d.safetensors"), "--out", str(taken)])
+    errors = capsys.readouterr().err
+    assert "Traceback" not in errors and errors.count(str(taken)) == 3
+    assert taken.read_text() == "mine" and not list(tmp_path.rglob("*.replaced"))

@@ -4,6 +4,7 @@ plots it writes, resume per (model, task), bad input."""
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -30,6 +31,78 @@ def test_score_problems_by_hand():
     assert sums["maj@2"] == pytest.approx(1 / 3)  # pairs 7·8 and 7·8' tie (½ each), 8·8' wins wrong
     assert sums["maj@3"] == 0.0
     assert "maj@1" not in score_problems(rows, correct, None, 3, [1])
+
+
+class FixedCompletions:
+    """A rollout that answers every problem with the same completions (n of them)."""
+
+    records_entropy = False
+
+    def __init__(self, completions):
+        self.completions = completions
+
+    def __call__(self, rows, n, seeds, key=None, record_entropy=False):
+        from trl_es.generation import Completions
+
+        completions = [c for _ in rows for c in self.completions]
+        return Completions([row["prompt"] for row in rows for _ in range(n)], completions, [[0]] * len(completions),
+                           [False] * len(completions))  # fmt: skip
+
+
+def test_maj_at_k_votes_by_the_tasks_equivalence_of_answers(tmp_path):
+    """Math's Maj@K voted by the matched text: 25, 025 and \\frac{50}{2} were three answers and the two wrong 7s won
+    (Maj@5 0 while 3 of the 5 samples verify). Votes are grouped by math-verify's equivalence, also when a resumed
+    evaluation scores the answers its records kept."""
+    from datasets import Dataset
+
+    from trl_es.evaluation.loop import evaluate_task
+    from trl_es.tasks import TASKS
+
+    rollout = FixedCompletions(
+        ["\\boxed{25}", "\\boxed{025}", "\\boxed{\\frac{50}{2}}", "\\boxed{7}", "so \\boxed{7}"]
+    )
+    dataset = Dataset.from_dict({"prompt": ["2 + 23?", "5 * 5?"], "answer": ["25", "25"]})
+    records = str(tmp_path / "math500.jsonl")
+    arguments = (
+        TASKS["math500"],
+        dataset,
+        5,
+        [1, 3, 5],
+        records,
+        {"seed": 0, "weights_sha256": "θ"},
+        1,
+        "stub",
+        lambda message: None,
+    )
+    scores = evaluate_task(rollout, *arguments)
+    assert scores["pass@1"] == pytest.approx(3 / 5) and scores["maj@1"] == pytest.approx(3 / 5)
+    # K = 3: the three 25s win unless the subset holds both 7s (3 of the C(5, 3) = 10 subsets: 7, 7 and one 25)
+    assert scores["maj@3"] == pytest.approx(7 / 10) and scores["maj@5"] == 1.0
+    assert json.loads(read_lines(records)[1])["answers"] == ["25", "025", "\\frac{50}{2}", "7", "7"]
+    assert evaluate_task(FixedCompletions(["none"] * 5), *arguments) == scores  # read back from the records
+
+
+@pytest.mark.parametrize(
+    "answers", [[["7"], ["8"]], [{"vote": 7}, None], None, ["7"]], ids=["lists", "dict", "null", "one"]
+)
+def test_a_records_line_without_its_answers_as_text_is_refused_naming_the_file(tmp_path, answers):
+    """Answers that were lists crashed the resume (unhashable type: 'list'), as did a line without answers."""
+    from datasets import Dataset
+
+    from trl_es.evaluation.loop import evaluate_task
+    from trl_es.tasks import TASKS
+
+    records = tmp_path / "small_sums.jsonl"
+    dataset = Dataset.from_dict({"prompt": ["3 + 4?"], "answer": ["7"]})
+    arguments = (TASKS["small_sums"], dataset, 2, [1, 2], str(records), {"seed": 0, "weights_sha256": "θ"}, 1, "stub",
+                 lambda message: None)  # fmt: skip
+    evaluate_task(FixedCompletions(["7", "8"]), *arguments)
+    header, batch = read_lines(records)
+    records.write_text(header + "\n" + json.dumps({**json.loads(batch), "answers": answers}) + "\n")
+    with pytest.raises(
+        ValueError, match=rf"^{records} line 2 is not a batch of this evaluation \(batch 0 lacks its 2 answers"
+    ):
+        evaluate_task(FixedCompletions(["7", "8"]), *arguments)
 
 
 def test_pareto_front():
@@ -223,6 +296,28 @@ def test_batch_size_below_one_is_a_one_line_error_before_any_model_is_loaded(tmp
         error = capsys.readouterr().err
         assert error == f"trl-es eval: --batch-size must be ≥ 1 problem per generate call, got {size}\n"
     assert not (tmp_path / "eval").exists()
+
+
+def test_eval_refuses_a_file_as_out_dir_a_missing_vllm_and_bad_decoding_before_loading_a_model(
+    tmp_path, capsys, monkeypatch
+):
+    """Were a FileExistsError traceback, an ImportError traceback once the model had loaded, the task's default
+    length taken silently for 0, and an infinite temperature accepted."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # not installed: `import vllm` raises ImportError
+    a_file = tmp_path / "results"
+    a_file.write_text("mine")
+    for flags, error in [
+        (["--out-dir", str(a_file)], f"--out-dir '{a_file}' cannot be made a folder (File exists); choose another"),
+        (["--use-vllm"], "use_vllm=True needs vLLM, which is not installed: "),
+        (["--max-completion-length", "0"], "--max-completion-length must be ≥ 1 token, got 0"),
+        *((["--temperature", t], f"sampling needs a finite temperature > 0, 0 < top_p ≤ 1, top_k ≥ 0 (got {t}, ")
+          for t in ("inf", "nan", "-1.0")),
+    ]:  # fmt: skip
+        argv = ["eval", "--model", "no-such-model", "--task", "small_sums", "--out-dir", str(tmp_path / "eval")]
+        assert cli([*argv, *flags]) == 1
+        printed = capsys.readouterr().err
+        assert printed.startswith(f"trl-es eval: {error}") and printed.count("\n") == 1, printed
+    assert a_file.read_text() == "mine" and not (tmp_path / "eval").exists()
 
 
 def test_bad_input_fails_before_any_model_is_loaded(tmp_path):

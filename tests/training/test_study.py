@@ -4,6 +4,7 @@ run resumes instead of training again."""
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -144,6 +145,23 @@ def test_bad_seeds_and_marks_are_refused(tmp_path, tiny_model_dir):
         study([*quick(tmp_path / "study", tiny_model_dir), "--marks", "0"])
     with pytest.raises(ValueError, match="unknown task 'gpqa2'"):
         study([*quick(tmp_path / "study", tiny_model_dir), "--heldout", "mbpp,gpqa2"])
-    with pytest.raises(ValueError, match="--temperature must be > 0"):
+    with pytest.raises(ValueError, match="--temperature must be a finite number > 0"):
         study([*quick(tmp_path / "study", tiny_model_dir), "--temperature", "0"])
+    assert not (tmp_path / "study").exists()
+
+
+def test_what_the_evaluation_refuses_is_refused_before_training(tmp_path, tiny_model_dir, monkeypatch):
+    """An infinite temperature, a completion length of 0 (silently each task's) and --use-vllm without vLLM were
+    accepted, or failed only at the evaluation, once every method had trained for its budget."""
+    monkeypatch.setitem(sys.modules, "vllm", None)  # not installed: `import vllm` raises ImportError
+    (tmp_path / "study_reward.py").write_text(REWARD)
+    monkeypatch.chdir(tmp_path)
+    for flags, message in [
+        (["--temperature", "inf"], "--temperature must be a finite number > 0"),
+        (["--temperature", "nan"], "--temperature must be a finite number > 0"),
+        (["--max-completion-length", "0"], "--max-completion-length must be ≥ 1 token, got 0"),
+        (["--use-vllm"], "use_vllm=True needs vLLM, which is not installed"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            study([*quick(tmp_path / "study", tiny_model_dir), *flags])
     assert not (tmp_path / "study").exists()

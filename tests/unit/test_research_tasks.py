@@ -167,6 +167,39 @@ def test_gpqa_csv_and_missing_copies(tmp_path, monkeypatch):
         gpqa("train")
 
 
+def test_gpqa_files_that_are_not_the_authors_are_one_line_errors_naming_them(tmp_path, monkeypatch):
+    """Tracebacks the CLI did not catch: RuntimeError (another password), BadZipFile (a login page or a Git LFS
+    pointer saved as dataset.zip), AttributeError (a CSV row short of fields)."""
+    zip_path = tmp_path / "dataset.zip"
+    for text in ["<html><body>Sign in to GitHub</body></html>", "version https://git-lfs.github.com/spec/v1\n"]:
+        zip_path.write_text(text)
+        with pytest.raises(ValueError, match=rf"^'{zip_path}' is not the authors' GPQA zip \(.*\)\. GPQA is gated"):
+            gpqa(source=str(zip_path))
+    real = os.path.join(os.environ["TRL_ES_DATA"], "gpqa", "dataset.zip")
+    monkeypatch.setitem(_zip_member.__globals__, "_ZIP_PASSWORD", b"another password")
+    with pytest.raises(ValueError, match=rf"^'{real}' is not the authors' GPQA zip \(.*password.*\)"):
+        gpqa(source=real)
+    columns = ["Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3"]
+    rows = {"short": ["Which is a noble gas?", "Neon", "Iron"], "long": ["Which?", "Neon", "Iron", "Tin", "Lead", "?"]}
+    for name, row in rows.items():
+        path = tmp_path / f"{name}.csv"
+        with path.open("w", newline="") as file:
+            csv.writer(file).writerows([columns, columns[:1] * 5, row])
+        with pytest.raises(ValueError, match=rf"^'{path}' row 2 has {len(row)} fields, its header 5; fix or remove"):
+            gpqa(source=str(path))
+    path = tmp_path / "blank.csv"
+    with path.open("w", newline="") as file:
+        csv.writer(file).writerows([columns, ["Which is a noble gas?", " ", "Iron", "Sodium", "Carbon"]])
+    with pytest.raises(ValueError, match=rf"^'{path}' row 1 has no 'Correct Answer' \(its reference answer\)"):
+        gpqa(source=str(path))
+    path.write_bytes(b"Question,\xff\xfe")
+    with pytest.raises(ValueError, match=rf"^'{path}' is not UTF-8 text"):
+        gpqa(source=str(path))
+    path.write_text("Question\n" + "x" * 200_000)  # csv.Error: beyond the csv module's field limit
+    with pytest.raises(ValueError, match=rf"^'{path}' could not be read as CSV \(field larger"):
+        gpqa(source=str(path))
+
+
 def test_hotpotqa_loader_puts_the_ten_paragraphs_in_the_prompt():
     rows = hotpotqa()
     assert len(rows) == 8 and {"prompt", "question", "answer", "type"} <= set(rows.column_names)
@@ -205,6 +238,20 @@ def test_hotpotqa_hub_layout_and_errors(tmp_path):
         hotpotqa(source=str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="unknown HotpotQA split 'test'"):
         hotpotqa("test")
+
+
+@pytest.mark.parametrize("answers", [[3677, 12], [3677, "yes"]], ids=["numbers", "numbers-and-text"])
+def test_hotpotqa_numeric_answers_are_read_as_text(tmp_path, answers):
+    """A file whose answers are JSON numbers loaded, then the reward crashed (`int.lower`)."""
+    path = tmp_path / "hotpot.jsonl"
+    context = {"title": ["Stadium"], "sentences": [["It seats 3677."]]}
+    path.write_text("\n".join(json.dumps({"question": "?", "answer": a, "context": context}) for a in answers))
+    rows = hotpotqa(source=str(path))
+    assert rows["answer"][:] == [str(a) for a in answers]
+    assert hotpotqa_reward(["Answer: 3677", "Answer: 12"], rows["answer"][:]) == [1.0, float(answers[1] == 12)]
+    metrics = []
+    assert hotpotqa_reward(["Answer: 3,677"], [3677], log_metric=lambda *m: metrics.append(m)) == [1.0]
+    assert metrics == [("hotpotqa_f1", 1.0)]  # a caller's own numbers: as text too
 
 
 def test_hotpotqa_exact_match_and_f1():

@@ -1,6 +1,7 @@
 """The reasoning tasks: loaders on the real benchmark files (first rows, tests/data), rewards and answer extraction."""
 
 import json
+import time
 
 import pytest
 
@@ -106,6 +107,42 @@ def test_local_files_and_their_errors(tmp_path, monkeypatch):
     assert local_data("gsm8k/test.jsonl", hub_id="openai/gsm8k") == "openai/gsm8k"
 
 
+@pytest.mark.parametrize(
+    ("name", "text", "problem"),
+    [
+        (
+            "truncated.jsonl",
+            '{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?", "ans',
+            r"is not JSON at line 2 \(Unterminated string.*\)",
+        ),
+        ("prose.jsonl", "Here are the problems:\n", r"is not JSON at line 1 \(Expecting value\)"),
+        (
+            "blank_line.jsonl",
+            '{"question": "1+1?", "answer": "#### 2"}\n\n{"question"\n',
+            r"is not JSON at line 3 \(Expecting ':' delimiter\)",
+        ),
+        ("empty.jsonl", "", "is empty"),
+        ("blank.json", "\n\n", "is empty"),
+        (
+            "truncated.json",
+            '[\n{"question": "1+1?", "answer": "#### 2"},\n{"question": "2+',
+            r"is not JSON at line 3 \(Unterminated string.*\)",
+        ),
+    ],
+)
+def test_a_malformed_data_file_is_a_one_line_error_naming_the_file_and_line(tmp_path, capsys, name, text, problem):
+    """datasets' DatasetGenerationError (or a bare StopIteration for an empty file) was a traceback."""
+    from trl_es.cli import main as cli
+
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"^'{path}' {problem}$") as message:
+        gsm8k(source=str(path))
+    assert cli(["eval", "--model", "no-such-model", "--task", "gsm8k", "--source", str(path)]) == 1
+    error = capsys.readouterr().err
+    assert error.endswith(f"trl-es eval: {message.value}\n") and "Traceback" not in error
+
+
 @pytest.mark.slow  # 30 MBPP programs through the sandbox
 def test_every_task_rewards_its_reference_answers_and_only_them():
     """Reward ≥ 1 exactly for correct answers (the evaluation's notion of correct), on the real rows."""
@@ -148,3 +185,73 @@ def test_small_sums_last_scores_the_last_integer_the_first_integer_check_misses(
     assert TASKS["small_sums"].reward(completions[:1], ["16"]) == [0.0]  # the first integer is the operand 12
     assert [task.extract_answer(c) for c in ["12 + 4 equals 16.", "none"]] == ["16", None]
     assert task.load("test")["answer"] == TASKS["small_sums"].load("test")["answer"]  # the same problems
+
+
+@pytest.mark.parametrize(
+    ("extract", "before"),
+    [
+        (choice_answer, "answer"),
+        (choice_answer, "The answer is"),
+        (gsm8k_answer, "####"),
+        (gsm8k_answer, "\\boxed{"),
+        (gsm8k_answer, "1"),
+    ],  # fmt: skip
+)
+def test_a_long_run_of_whitespace_or_commas_is_parsed_in_linear_time(extract, before):
+    """28k characters of whitespace after "answer" took 7.5–9 s in CommonsenseQA's and GPQA's parser (the pattern
+    tried every split of the run between its two `\\s*`); GSM8K's `####` and `\\boxed{` had the same shape, and
+    its numbers backtracked through a run of commas."""
+    for run in (" " * 28_000, "\n" * 28_000, "," * 28_000):
+        start = time.perf_counter()
+        assert extract(before + run + "x") in (None, "1")
+        assert time.perf_counter() - start < 0.5, (before, run[0])
+
+
+def test_answer_parsers_read_the_answer_after_any_spacing():
+    assert [choice_answer(text) for text in ["answer:B", "The answer is  :  (C)", "answer\n\nD", "choice is E"]] == [
+        "B", "C", "D", "E"
+    ]  # fmt: skip
+    assert [gsm8k_answer(t) for t in ["####  $ 1,000", "\\boxed{ $ -2.5 }", "so ,5 and 1,,"]] == ["1000", "-2.5", "1"]
+
+
+ROWS = {  # each task's smallest good row from a file, and the column holding its reference answer
+    "gsm8k": ({"question": "1+1?", "answer": "so #### 2"}, "answer"),
+    "math500": ({"problem": "1+1?", "answer": "2"}, "answer"),
+    "aime24": ({"problem": "1+1?", "answer": "2"}, "answer"),
+    "amc23": ({"question": "1+1?", "answer": 2.0}, "answer"),
+    "deepscaler": ({"problem": "1+1?", "answer": "2"}, "answer"),
+    "commonsenseqa": (
+        {"id": "x", "question": {"stem": "1+1?", "choices": [{"label": "A", "text": "2"}]}, "answerKey": "A"},
+        "answerKey",
+    ),
+    "hotpotqa": (
+        {"question": "1+1?", "answer": "2", "context": {"title": ["T"], "sentences": [["1+1=2."]]}},
+        "answer",
+    ),
+    "mbpp": ({"task_id": 11, "prompt": "p", "test_list": ["assert True"], "test_imports": []}, "test_list"),
+    "countdown": ({"target": 3, "nums": [1, 2]}, "target"),
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "missing"),
+    [*((name, None) for name in ROWS), ("commonsenseqa", " "), ("math500", ""), ("mbpp", [])],
+)
+def test_a_row_without_its_reference_answer_is_refused_naming_the_file_and_the_row(tmp_path, name, missing):
+    """A null answer loaded silently and then scored non-answers as correct (CommonsenseQA: None == None)."""
+    row, column = ROWS[name]
+    task = TASKS[name]
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text(json.dumps(row) + "\n")
+    bad.write_text("\n".join(json.dumps(r) for r in [row, row, {**row, column: missing}]) + "\n")
+    assert len(task.load(task.eval_split, source=str(good))) == 1
+    with pytest.raises(ValueError, match=rf"^'{bad}' row 3 has no '{column}' \(its reference answer\)") as error:
+        task.load(task.eval_split, source=str(bad))
+    assert "\n" not in str(error.value)
+
+
+def test_rewards_never_credit_a_missing_reference_answer():
+    non_answers = ["I do not know.", "\\boxed{None}", "Answer: None", "####", "Answer: yes"]
+    for name, task in TASKS.items():
+        if task.answer_columns == ("answer",):
+            assert task.reward(non_answers, [None] * len(non_answers)) == [0.0] * len(non_answers), name

@@ -32,13 +32,22 @@ import argparse
 import glob
 import hashlib
 import json
+import math
 import os
 import time
 
 import torch
 from transformers import TrainerCallback
 
-from ..evaluation import check_k, evaluate, evaluate_tasks, expand_tasks, print_progress, research_k
+from ..evaluation import (
+    check_k,
+    check_vllm_installed,
+    evaluate,
+    evaluate_tasks,
+    expand_tasks,
+    print_progress,
+    research_k,
+)
 from ..evaluation.report import averages, heldout_change, plot_pareto, plot_pass_at_k
 from ..tasks import TASKS, get_task
 from ..util.atomic import atomic_write_text
@@ -233,10 +242,15 @@ def study(options, progress=print_progress) -> dict:
     task = get_task(options.task)
     k_values = check_k(options.n, options.k or research_k(options.n))
     heldout = expand_tasks(options.heldout, []) if options.heldout else []
-    if options.temperature <= 0:
+    if not (math.isfinite(options.temperature) and options.temperature > 0):
         raise ValueError(
-            f"--temperature must be > 0: the evaluation samples --n completions, got {options.temperature}"
+            f"--temperature must be a finite number > 0: the evaluation samples --n completions, got "
+            f"{options.temperature}"
         )
+    if options.max_completion_length is not None and options.max_completion_length < 1:
+        raise ValueError(f"--max-completion-length must be ≥ 1 token, got {options.max_completion_length}")
+    if options.use_vllm:
+        check_vllm_installed()
     for method in options.methods:
         first = method.split("-")[0]
         if method not in METHODS:

@@ -4,6 +4,7 @@ and the research's tables and plots (`report`)."""
 
 from .loop import (
     check_k,
+    check_vllm_installed,
     decoding_description,
     evaluate,
     evaluate_batch,
@@ -19,6 +20,7 @@ __all__ = [
     "PROTOCOLS",
     "SUITES",
     "check_k",
+    "check_vllm_installed",
     "decoding_description",
     "evaluate",
     "evaluate_batch",

@@ -36,7 +36,7 @@ from ..rollout import PlainRollout, Rollout
 from ..tasks import SUCCESS_THRESHOLD, Task, get_task
 from ..tasks.data import completion_text
 from ..util.atomic import atomic_write_text
-from .metrics import maj_at_k, pass_at_k
+from .metrics import maj_at_k, pass_at_k, vote_classes
 from .protocol import resolve_protocol
 from .report import averages, heldout_change, plot_pareto, plot_pass_at_k, tables
 
@@ -45,17 +45,28 @@ RECORDS_FORMAT = 2
 """Version of the records files: a file of another version is refused, not mixed in."""
 
 
-def score_problems(rows: list[dict], correct: list[bool], answers: list | None, n: int, k_values: list[int]) -> dict:
-    """Pass@K and Maj@K summed over `rows`, from their n-per-problem verdicts and answers (prompt-major order)."""
+def score_problems(
+    rows: list[dict],
+    correct: list[bool],
+    answers: list | None,
+    n: int,
+    k_values: list[int],
+    same_answer: Callable[[str, str], bool] | None = None,
+) -> dict:
+    """Pass@K and Maj@K summed over `rows`, from their n-per-problem verdicts and answers (prompt-major order); a
+    problem's answers that `same_answer` (the task's `Task.same_answer`) holds equal are one vote."""
     sums = {f"pass@{k}": 0.0 for k in k_values}
     if answers is not None:
         sums.update({f"maj@{k}": 0.0 for k in k_values})
     for p in range(len(rows)):
         verdicts = correct[p * n : (p + 1) * n]
+        votes = None if answers is None else answers[p * n : (p + 1) * n]
+        if votes is not None and same_answer is not None:
+            votes = vote_classes(votes, same_answer)
         for k in k_values:
             sums[f"pass@{k}"] += pass_at_k(n, sum(verdicts), k)
-            if answers is not None:
-                sums[f"maj@{k}"] += maj_at_k(answers[p * n : (p + 1) * n], verdicts, k)
+            if votes is not None:
+                sums[f"maj@{k}"] += maj_at_k(votes, verdicts, k)
     return sums
 
 
@@ -69,12 +80,13 @@ def evaluate_batch(
     extract: Callable[[str], str | None] | None = None,
     success_threshold: float = SUCCESS_THRESHOLD,
     key=None,
+    same_answer: Callable[[str, str], bool] | None = None,
 ) -> dict:
     """One batch of problems: n completions per row of θ from the `rollout` (completion seeds from the batch's
     `seed`; an agent run's environments reset under `key`), rewarded by `rewards_of(rows, completions)` (a
     tensor, NaN = no reward); a completion is correct when its reward is ≥ `success_threshold`. Returns the batch's
-    record: the problems' summed Pass@K (and Maj@K over the answers `extract` finds), the sums of rewards, tokens
-    and token entropies, and each completion's verdict and answer."""
+    record: the problems' summed Pass@K (and Maj@K over the answers `extract` finds, grouped by `same_answer`:
+    `score_problems`), the sums of rewards, tokens and token entropies, and each completion's verdict and answer."""
     seeds = completion_seeds(seed, len(rows), n)
     result = rollout(rows, n, seeds, key=key, record_entropy=rollout.records_entropy)
     rewards = torch.as_tensor(rewards_of(rows, result), dtype=torch.float64)
@@ -83,7 +95,7 @@ def evaluate_batch(
     valid = ~rewards.isnan()
     return {
         "problems": len(rows),
-        **score_problems(rows, correct, answers, n, k_values),
+        **score_problems(rows, correct, answers, n, k_values, same_answer),
         "completions": len(correct),
         "reward_sum": float(rewards[valid].sum()),
         "rewards": int(valid.sum()),
@@ -215,6 +227,16 @@ def _vllm_engine(model):
     return Colocated(model.name_or_path, defaults, PartialState(), next(model.parameters()).dtype)
 
 
+def check_vllm_installed() -> None:
+    """A ValueError (one line in the CLI) when vLLM is not installed: checked before any model is loaded."""
+    from ..generation.vllm_engine import require_vllm
+
+    try:
+        require_vllm()
+    except ImportError as error:
+        raise ValueError(str(error)) from error
+
+
 def evaluate_task(
     rollout: Rollout,
     task: Task,
@@ -231,9 +253,10 @@ def evaluate_task(
     `records_path` (resuming from the batches already there), and return the scores."""
     n_batches = -(-len(dataset) // batch_size)
     sizes = {b: min(batch_size, len(dataset) - b * batch_size) for b in range(n_batches)}
-    done = _read_records(records_path, settings, sizes, n, progress)
+    done = _read_records(records_path, settings, sizes, n, task.extract_answer is not None, progress)
     for record in done.values():  # Pass@K / Maj@K for this run's K, from the kept verdicts and answers
-        record.update(score_problems(range(record["problems"]), record["correct"], record["answers"], n, k_values))
+        problems, correct, answers = range(record["problems"]), record["correct"], record["answers"]
+        record.update(score_problems(problems, correct, answers, n, k_values, task.same_answer))
     rewards = RewardFunctions(task.reward)
     rewards_of = lambda rows, completions: rewards.combine(rewards.score(rows, completions))  # noqa: E731
     start = time.perf_counter()
@@ -246,7 +269,8 @@ def evaluate_task(
             rows = dataset.select(range(b * batch_size, min((b + 1) * batch_size, len(dataset)))).to_list()
             with torch.no_grad():
                 seed = eval_seed(settings["seed"], 0, b * batch_size)
-                record = evaluate_batch(rollout, rows, n, seed, rewards_of, k_values, task.extract_answer)
+                record = evaluate_batch(rollout, rows, n, seed, rewards_of, k_values, task.extract_answer,
+                                        same_answer=task.same_answer)  # fmt: skip
             done[b] = {"batch": b, **record}
             out.write(json.dumps(done[b]) + "\n")
             out.flush()
@@ -260,12 +284,13 @@ def evaluate_task(
 
 
 def _read_records(
-    path: str, settings: dict, sizes: dict[int, int], n: int, progress=print_progress
+    path: str, settings: dict, sizes: dict[int, int], n: int, voting: bool, progress=print_progress
 ) -> dict[int, dict]:
     """The finished batches of an earlier run with the same settings (a ValueError for other settings). Records of
     other weights (the model at that path was trained again since) are discarded, with a message: the model is
     evaluated again. A last line cut short by an interruption is dropped from the file: that batch is generated
-    again. Every record is checked against this evaluation (`sizes`: batch → problems, `n` completions each)."""
+    again. Every record is checked against this evaluation (`sizes`: batch → problems, `n` completions each, with
+    an answer each when the task is `voting`)."""
     if not os.path.isfile(path):
         return {}
     with open(path) as f:
@@ -293,7 +318,7 @@ def _read_records(
         )
     done = {}
     for number, record in enumerate(records[1:], start=2):
-        problem = _record_problem(record, sizes, n, done)
+        problem = _record_problem(record, sizes, n, voting, done)
         if problem:
             raise ValueError(
                 f"{path} line {number} is not a batch of this evaluation ({problem}); delete the file to start over"
@@ -302,7 +327,7 @@ def _read_records(
     return done
 
 
-def _record_problem(record, sizes: dict[int, int], n: int, done: dict) -> str | None:
+def _record_problem(record, sizes: dict[int, int], n: int, voting: bool, done: dict) -> str | None:
     """What is wrong with one records line, or None."""
     if not isinstance(record, dict) or type(record.get("batch")) is not int:
         return "not a batch record"
@@ -314,8 +339,15 @@ def _record_problem(record, sizes: dict[int, int], n: int, done: dict) -> str | 
     correct, answers = record.get("correct"), record.get("answers")
     if not (isinstance(correct, list) and len(correct) == sizes[batch] * n and all(type(c) is bool for c in correct)):
         return f"batch {batch} lacks its {sizes[batch] * n} verdicts"
-    if answers is not None and not (isinstance(answers, list) and len(answers) == len(correct)):
-        return f"batch {batch}'s answers do not match its verdicts"
+    texts = (
+        isinstance(answers, list)
+        and len(answers) == len(correct)
+        and all(a is None or type(a) is str for a in answers)
+    )
+    if voting and not texts:
+        return f"batch {batch} lacks its {len(correct)} answers (text or null)"
+    if not voting and answers is not None:
+        return f"batch {batch} holds answers, but this task has none to vote on"
     sums = ("completions", "reward_sum", "rewards", "tokens", "entropy_sum")
     if not all(type(record.get(key)) in (int, float) and math.isfinite(record[key]) for key in sums):
         return f"batch {batch} lacks its sums"
@@ -375,8 +407,9 @@ def evaluate_tasks(
     `protocol.DEFAULTS`. Decoding samples (`temperature` > 0, `top_p`, `top_k`; 0: off) unless `greedy` (or
     `temperature` = 0); greedy decoding gives n equal completions, so it takes n = 1. `train_task`: the task the
     models were trained on, left out of the held-out change. `use_vllm`: generate through vLLM (recorded: records of
-    the two backends are not mixed). Bad input (unknown task, K outside 1..n, batch size
-    below 1, missing columns) fails before any model is loaded or any file written."""
+    the two backends are not mixed). Bad input (unknown task, K outside 1..n, batch size or completion length
+    below 1, a temperature that is not finite, missing columns or vLLM, an `out_dir` that cannot be a folder) fails
+    before any model is loaded or any file written."""
     tasks = list(dict.fromkeys(tasks))
     if not tasks:
         raise ValueError("give at least one task")
@@ -392,12 +425,16 @@ def evaluate_tasks(
     greedy = temperature == 0
     if greedy and n != 1:
         raise ValueError(f"greedy decoding gives the same completion n={n} times: evaluate it with n=1")
-    if not greedy and not (temperature > 0 and 0 < top_p <= 1 and top_k >= 0):
+    if not greedy and not (math.isfinite(temperature) and temperature > 0 and 0 < top_p <= 1 and top_k >= 0):
         raise ValueError(
-            f"sampling needs temperature > 0, 0 < top_p ≤ 1, top_k ≥ 0 (got {temperature}, {top_p}, {top_k})"
+            f"sampling needs a finite temperature > 0, 0 < top_p ≤ 1, top_k ≥ 0 (got {temperature}, {top_p}, {top_k})"
         )
+    if values["max_completion_length"] is not None and values["max_completion_length"] < 1:
+        raise ValueError(f"--max-completion-length must be ≥ 1 token, got {values['max_completion_length']}")
     if batch_size < 1:
         raise ValueError(f"--batch-size must be ≥ 1 problem per generate call, got {batch_size}")
+    if use_vllm:
+        check_vllm_installed()
     if not models:
         raise ValueError("give at least one model")
     if len(tasks) > 1 and (split is not None or source is not None):
@@ -422,7 +459,12 @@ def evaluate_tasks(
             **({"backend": "vllm"} if use_vllm else {}),
         }
         problems[name] = (task, dataset, settings[name])
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as error:  # a file there, or in its path
+        raise ValueError(
+            f"--out-dir {out_dir!r} cannot be made a folder ({error.strerror}); choose another"
+        ) from error
     results, taken = {"tasks": tasks, "k": k_values, "protocol": protocol_record, "train_task": train_task,
                       "settings": settings, "models": {}}, set()  # fmt: skip
     progress(f"decoding: {decoding_description(settings[tasks[0]])}")

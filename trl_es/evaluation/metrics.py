@@ -6,9 +6,10 @@
   subsets of K of the n samples, computed exactly (the subsets' vote counts are enumerated combinatorially, class by
   class, not sampled). In a subset, the extracted answers vote (unparsable ones, None, do not; no vote at all is
   wrong); a tie between answers counts each tied answer with weight 1/(answers tied), a uniformly random tie-break
-  in expectation; an answer counts as correct with the share of its samples the verifier accepts (equivalence is the
-  task's, e.g. math-verify's). Maj@1 is the share of samples that are correct and parsed: Pass@1 whenever every
-  correct sample has a parsed answer, as with every built-in task; Maj@n is the vote of all n.
+  in expectation; an answer counts as correct with the share of its samples the verifier accepts. Answers are one
+  vote when the task holds them equivalent (`vote_classes`: math-verify's equivalence for math, not the text).
+  Maj@1 is the share of samples that are correct and parsed: Pass@1 whenever every correct sample has a parsed
+  answer, as with every built-in task; Maj@n is the vote of all n.
 - `mean_token_entropy`: mean over generated tokens of H(π(·|x_<t)) = −Σ_v p_v log p_v (nats); its collapse is what
   GRPO shows and ES does not.
 - `js_diversity`: verifier-projected Jensen–Shannon diversity of an ES population. Member m's success rates on the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from fractions import Fraction
 from functools import lru_cache
 
@@ -59,6 +61,20 @@ def maj_at_k(answers: list, correct: list[bool], k: int) -> float:
     for count, right in classes.values():
         value += Fraction(right, count) * _win_share(count, profile, unparsed, k)
     return float(value)
+
+
+def vote_classes(answers: list, same_answer: Callable[[str, str], bool]) -> list:
+    """Each answer replaced by the first one before it that `same_answer` holds equal to it (None stays None): the
+    votes of Maj@K by the task's equivalence, not by text."""
+    classes: list = []  # the first answer of each class
+    votes = []
+    for answer in answers:
+        if answer is not None:
+            answer = next((first for first in classes if same_answer(first, answer)), answer)
+            if answer not in classes:
+                classes.append(answer)
+        votes.append(answer)
+    return votes
 
 
 @lru_cache(maxsize=4096)

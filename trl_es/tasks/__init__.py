@@ -34,7 +34,8 @@ SUCCESS_THRESHOLD = 1.0
 @dataclass(frozen=True)
 class Task:
     """`load(split, source=None, conversational=True)` → Dataset; `reward` (TRL signature) reads `answer_columns`;
-    `extract_answer(text)` → the answer a completion votes for in Maj@K (None: Maj@K is not defined, e.g. code)."""
+    `extract_answer(text)` → the answer a completion votes for in Maj@K (None: Maj@K is not defined, e.g. code);
+    `same_answer(a, b)` → whether two such answers are one vote, by the task's own equivalence (None: equal text)."""
 
     name: str
     load: Callable
@@ -43,11 +44,14 @@ class Task:
     eval_split: str
     max_completion_length: int
     extract_answer: Callable[[str], str | None] | None = None
+    same_answer: Callable[[str, str], bool] | None = None
 
 
 TASKS = {
     "gsm8k": Task("gsm8k", gsm8k, gsm8k_reward, ("answer",), "test", 512, _gsm8k.extract_answer),
-    "math500": Task("math500", math500, math_reward, ("answer",), "test", 1024, _math500.extract_answer),
+    "math500": Task(
+        "math500", math500, math_reward, ("answer",), "test", 1024, _math500.extract_answer, _math500.same_answer
+    ),
     "countdown": Task(
         "countdown", countdown, countdown_reward, ("numbers", "target"), "test", 512, _countdown.extract_answer
     ),
@@ -61,10 +65,25 @@ TASKS = {
     "small_sums_last": Task(
         "small_sums_last", small_sums, last_integer_reward, ("answer",), "test", 32, _arithmetic.extract_last_answer
     ),
-    "aime24": Task("aime24", aime24, math_reward, ("answer",), "test", 2048, _math500.extract_answer),
-    "aime25": Task("aime25", aime25, math_reward, ("answer",), "test", 2048, _math500.extract_answer),
-    "amc23": Task("amc23", amc23, math_reward, ("answer",), "test", 2048, _math500.extract_answer),
-    "deepscaler": Task("deepscaler", deepscaler, math_reward, ("answer",), "train", 2048, _math500.extract_answer),
+    "aime24": Task(
+        "aime24", aime24, math_reward, ("answer",), "test", 2048, _math500.extract_answer, _math500.same_answer
+    ),
+    "aime25": Task(
+        "aime25", aime25, math_reward, ("answer",), "test", 2048, _math500.extract_answer, _math500.same_answer
+    ),
+    "amc23": Task(
+        "amc23", amc23, math_reward, ("answer",), "test", 2048, _math500.extract_answer, _math500.same_answer
+    ),
+    "deepscaler": Task(
+        "deepscaler",
+        deepscaler,
+        math_reward,
+        ("answer",),
+        "train",
+        2048,
+        _math500.extract_answer,
+        _math500.same_answer,
+    ),
     "gpqa": Task("gpqa", gpqa, choice_reward, ("answer",), "test", 2048, _commonsenseqa.extract_answer),
     "hotpotqa": Task("hotpotqa", hotpotqa, hotpotqa_reward, ("answer",), "validation", 512, _hotpotqa.extract_answer),
 }

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import re
 
-from .data import as_prompt, completion_text, load_rows, local_data, require_columns
+from .data import as_prompt, completion_text, load_rows, local_data, require_answers, require_columns
 
 
 INSTRUCTION = 'Answer with the letter of the correct choice, as "Answer: X".'
 _LOCAL_FILES = {"train": "commonsenseqa/train_rand_split.jsonl", "validation": "commonsenseqa/dev_rand_split.jsonl"}
-_AFTER_ANSWER = re.compile(r"(?i:answer|choice)\s*(?:(?i:is)\s*)?:?\s*\(?([A-E])\b")
+# each run of whitespace is read by one `\s*` (two in a row tried every split of it: quadratic time)
+_AFTER_ANSWER = re.compile(r"(?i:answer|choice)\s*(?:(?i:is)\s*)?(?::\s*)?\(?([A-E])\b")
 _JUST_A_LETTER = re.compile(r"\s*\(?([A-E])\)?[.:]?\s*")
 _CHOICE_LINE = re.compile(r"^[ \t]*\(?([A-E])[.):][ \t]", re.MULTILINE)  # `B. water`, `(B) water` at a line's start
 
@@ -32,6 +33,7 @@ def commonsenseqa(split: str = "validation", source: str | None = None, conversa
     source = source or local_data(_LOCAL_FILES[split], hub_id="tau/commonsense_qa")
     rows = load_rows(source, split)
     require_columns(rows, ["question", "answerKey"], source)
+    require_answers(rows, "answerKey", source)
     return rows.map(lambda row: _format(row, conversational), remove_columns=rows.column_names)
 
 
@@ -59,5 +61,8 @@ def extract_answer(text: str) -> str | None:
 
 
 def choice_reward(completions, answer, **kwargs) -> list[float]:
-    """TRL-signature reward: 1.0 when the completion's letter is `answer`, else 0.0."""
-    return [float(extract_answer(completion_text(c)) == a) for c, a in zip(completions, answer, strict=True)]
+    """TRL-signature reward: 1.0 when the completion's letter is `answer`, else 0.0 (also when `answer` is missing)."""
+    return [
+        float(a is not None and extract_answer(completion_text(c)) == a)
+        for c, a in zip(completions, answer, strict=True)
+    ]

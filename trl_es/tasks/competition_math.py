@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from datasets import Dataset
 
-from .data import as_prompt, load_rows, local_data, require_columns
+from .data import as_prompt, load_rows, local_data, require_answers, require_columns
 from .math500 import TEMPLATE
 
 
@@ -58,6 +58,7 @@ def _load(benchmark: str, split: str, only_split: str, source: str, hub_split: s
     rows = load_rows(source, hub_split)
     problem = "question" if "question" in rows.column_names and "problem" not in rows.column_names else "problem"
     require_columns(rows, [problem, "answer"], source)
+    require_answers(rows, "answer", source)
     problems = rows[problem]
     return Dataset.from_dict(
         {

@@ -17,7 +17,7 @@ import re
 
 from datasets import Dataset
 
-from .data import load_rows, require_columns
+from .data import load_rows, require_answers, require_columns
 
 
 TEMPLATE = (
@@ -100,6 +100,8 @@ def fixed_set(source: str) -> Dataset:
     rows = load_rows(source, "train")
     numbers = "numbers" if "numbers" in rows.column_names and "nums" not in rows.column_names else "nums"
     require_columns(rows, [numbers, "target"], source)
+    require_answers(rows, numbers, source)
+    require_answers(rows, "target", source)
     return Dataset.from_dict(
         {
             "prompt": [_prompt(n, t) for n, t in zip(rows[numbers], rows["target"], strict=True)],

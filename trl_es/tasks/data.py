@@ -7,10 +7,12 @@ path; without a local copy it returns the hub id, which `load_rows` hands to `da
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 from datasets import Dataset, load_dataset
+from datasets.exceptions import DatasetGenerationError
 
 
 _FILE_SUFFIXES = (".json", ".jsonl")
@@ -24,12 +26,16 @@ def local_data(relative: str, hub_id: str) -> str:
 
 
 def load_rows(source: str, split: str, hub_config: str | None = None) -> Dataset:
-    """Rows from a local .json/.jsonl file (all of it; the caller picks its split) or from `load_dataset(source,
-    hub_config, split=split)` for a hub id or a local dataset directory."""
+    """Rows from a local .json/.jsonl file (all of it; the caller picks its split; a file that is not JSON is a
+    ValueError naming its line) or from `load_dataset(source, hub_config, split=split)` for a hub id or a local
+    dataset directory."""
     if source.endswith(_FILE_SUFFIXES):
         if not os.path.isfile(source):
             raise FileNotFoundError(f"task data file {source!r} does not exist")
-        return load_dataset("json", data_files=source, split="train")
+        try:
+            return load_dataset("json", data_files=source, split="train")
+        except (DatasetGenerationError, StopIteration, ValueError) as error:  # StopIteration: an empty .jsonl
+            raise ValueError(f"{source!r} {_json_problem(source, error)}") from error
     try:
         return load_dataset(source, hub_config, split=split)
     except OSError as error:  # offline, or the Hub unreachable (ConnectionError and the Hub's own errors are OSErrors)
@@ -43,11 +49,36 @@ def load_rows(source: str, split: str, hub_config: str | None = None) -> Dataset
         ) from error
 
 
+def _json_problem(path: str, error: BaseException) -> str:
+    """What keeps the file from loading: the first line where it stops being JSON (a .jsonl file read line by line,
+    a .json file as one document), that it is empty, or else datasets' `error`."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        return "is empty"
+    documents = text.split("\n") if path.endswith(".jsonl") else [text]
+    for number, document in enumerate(documents, start=1):
+        if not document.strip():
+            continue
+        try:
+            json.loads(document)
+        except json.JSONDecodeError as problem:
+            return f"is not JSON at line {number + problem.lineno - 1} ({problem.msg})"
+    return f"could not be read as rows of JSON objects ({error.__cause__ or error})"
+
+
 def require_columns(dataset: Dataset, columns: list[str], source: str) -> None:
     """A clear error when `dataset` lacks a column the task reads."""
     missing = [c for c in columns if c not in dataset.column_names]
     if missing:
         raise ValueError(f"{source!r} has no column(s) {missing} (columns: {dataset.column_names})")
+
+
+def require_answers(dataset: Dataset, column: str, source: str) -> None:
+    """A clear error naming the first row of `source` whose reference answer (`column`) is missing (null, blank or
+    empty): a missing reference would score non-answers as correct."""
+    for row, answer in enumerate(dataset[column], start=1):
+        if answer is None or (isinstance(answer, str) and not answer.strip()) or answer == []:
+            raise ValueError(f"{source!r} row {row} has no {column!r} (its reference answer); fix or remove the row")
 
 
 def as_prompt(text: str, conversational: bool):

@@ -16,11 +16,12 @@ import io
 import os
 import random
 import zipfile
+import zlib
 from pathlib import Path
 
 from datasets import Dataset
 
-from .data import as_prompt, load_rows, local_data, require_columns
+from .data import as_prompt, load_rows, local_data, require_answers, require_columns
 
 
 HUB_ID = "Idavidrein/gpqa"
@@ -44,11 +45,13 @@ def gpqa(split: str = "test", source: str | None = None, conversational: bool = 
     source = source or local_data("gpqa/dataset.zip", hub_id=HUB_ID)
     rows = _read(source)
     require_columns(rows, ["Question", *_OPTIONS], source)
+    require_answers(rows, "Correct Answer", source)
     return rows.map(lambda row: _format(row, conversational), remove_columns=rows.column_names)
 
 
 def _read(source: str) -> Dataset:
-    """The rows of a zip or CSV file (read in memory), or of a hub id; a missing copy says how to get one."""
+    """The rows of a zip or CSV file (read in memory), or of a hub id; a missing copy says how to get one, a file
+    that is not the authors' says what is wrong with it."""
     if not source.endswith((".zip", ".csv")):
         try:
             return load_rows(source, "train", hub_config="gpqa_diamond")
@@ -56,17 +59,42 @@ def _read(source: str) -> Dataset:
             raise ValueError(f"GPQA could not be loaded from {source!r}. {HOW_TO_GET}") from error
     if not os.path.isfile(source):
         raise FileNotFoundError(f"GPQA file {source!r} does not exist. {HOW_TO_GET}")
-    text = _zip_member(source) if source.endswith(".zip") else Path(source).read_text(encoding="utf-8")
-    return Dataset.from_list(list(csv.DictReader(io.StringIO(text))))
+    text = _zip_member(source) if source.endswith(".zip") else _decoded(Path(source).read_bytes(), source)
+    return Dataset.from_list(_csv_rows(text, source))
 
 
 def _zip_member(path: str) -> str:
     """The text of the zip's `gpqa_diamond.csv`, decrypted with the authors' password."""
-    with zipfile.ZipFile(path) as archive:
-        members = [name for name in archive.namelist() if name.rsplit("/", 1)[-1] == _MEMBER]
-        if not members:
-            raise ValueError(f"{path!r} holds no {_MEMBER}. {HOW_TO_GET}")
-        return archive.read(members[0], pwd=_ZIP_PASSWORD).decode("utf-8")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = [name for name in archive.namelist() if name.rsplit("/", 1)[-1] == _MEMBER]
+            if not members:
+                raise ValueError(f"{path!r} holds no {_MEMBER}. {HOW_TO_GET}")
+            data = archive.read(members[0], pwd=_ZIP_PASSWORD)
+    except (zipfile.BadZipFile, RuntimeError, NotImplementedError, zlib.error) as error:  # RuntimeError: password
+        raise ValueError(f"{path!r} is not the authors' GPQA zip ({error}). {HOW_TO_GET}") from error
+    return _decoded(data, path)
+
+
+def _decoded(data: bytes, path: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path!r} is not UTF-8 text ({error.reason} at byte {error.start})") from error
+
+
+def _csv_rows(text: str, source: str) -> list[dict]:
+    """The CSV's rows as {column: field}; a ValueError names the first row whose fields do not match the header."""
+    try:
+        header, *rows = [row for row in csv.reader(io.StringIO(text)) if row] or [[]]
+    except csv.Error as error:
+        raise ValueError(f"{source!r} could not be read as CSV ({error})") from error
+    for number, row in enumerate(rows, start=1):
+        if len(row) != len(header):
+            raise ValueError(
+                f"{source!r} row {number} has {len(row)} fields, its header {len(header)}; fix or remove it"
+            )
+    return [dict(zip(header, row, strict=True)) for row in rows]
 
 
 def option_order(question: str) -> list[int]:

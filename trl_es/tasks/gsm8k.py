@@ -11,13 +11,14 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-from .data import as_prompt, completion_text, load_rows, local_data, require_columns
+from .data import as_prompt, completion_text, load_rows, local_data, require_answers, require_columns
 
 
 TEMPLATE = '{question} Let\'s think step by step and output the final answer after "####".'
-_NUMBER = r"-?[\d,]*\.?\d+"
-_AFTER_HASHES = re.compile(r"####\s*\$?\s*(" + _NUMBER + ")")
-_BOXED = re.compile(r"\\boxed\{\s*\$?\s*(" + _NUMBER + r")\s*\}")
+# Linear time: a number starts with a digit or a point (not a comma), each run of whitespace is read by one `\s*`
+_NUMBER = r"-?(?:\d[\d,]*)?\.?\d+"
+_AFTER_HASHES = re.compile(r"####\s*(?:\$\s*)?(" + _NUMBER + ")")
+_BOXED = re.compile(r"\\boxed\{\s*(?:\$\s*)?(" + _NUMBER + r")\s*\}")
 _ANY_NUMBER = re.compile(_NUMBER)
 
 
@@ -29,6 +30,7 @@ def gsm8k(split: str = "test", source: str | None = None, conversational: bool =
     source = source or local_data(f"gsm8k/{split}.jsonl", hub_id="openai/gsm8k")
     rows = load_rows(source, split, hub_config="main")
     require_columns(rows, ["question", "answer"], source)
+    require_answers(rows, "answer", source)
     return rows.map(
         lambda row: {
             "prompt": as_prompt(TEMPLATE.format(question=row["question"]), conversational),
@@ -63,8 +65,10 @@ def _normalise(number: str) -> str | None:
 
 
 def gsm8k_reward(completions, answer, **kwargs) -> list[float]:
-    """TRL-signature reward: 1.0 when the completion's answer equals `answer` numerically, else 0.0."""
-    return [
-        float(extract_answer(completion_text(c)) == _normalise(str(a).replace(",", "")))
-        for c, a in zip(completions, answer, strict=True)
-    ]
+    """TRL-signature reward: 1.0 when the completion's answer equals `answer` numerically, else 0.0 (also when
+    `answer` is missing or not a number)."""
+    rewards = []
+    for completion, reference in zip(completions, answer, strict=True):
+        expected = None if reference is None else _normalise(str(reference).replace(",", ""))
+        rewards.append(float(expected is not None and extract_answer(completion_text(completion)) == expected))
+    return rewards

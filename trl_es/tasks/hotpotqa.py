@@ -3,10 +3,11 @@ relevant, scored by exact match of a short answer.
 
 Prompt template: `Answer the question using the paragraphs below.`, then each paragraph as `{title}: {sentences}`
 (blank lines between), then `Question: {question}` and `Give a short answer (a few words, or yes/no) on the last line,
-as "Answer: <answer>".`, as one user message (or plain text). Answer column `answer`. The completion's answer is the
-first line of text after its last `Answer:`; it is correct when it equals `answer` after SQuAD's normalisation
-(lowercase; punctuation, the articles a/an/the and extra whitespace removed). The reward also logs the mean token F1
-(HotpotQA's: yes/no/noanswer score only against themselves) as `hotpotqa_f1` when the trainer passes `log_metric`.
+as "Answer: <answer>".`, as one user message (or plain text). Answer column `answer`, as text (a file's numbers too).
+The completion's answer is the first line of text after its last `Answer:`; it is correct when it equals `answer`
+after SQuAD's normalisation (lowercase; punctuation, the articles a/an/the and extra whitespace removed). The reward
+also logs the mean token F1 (HotpotQA's: yes/no/noanswer score only against themselves) as `hotpotqa_f1` when the
+trainer passes `log_metric`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections import Counter
 
 from datasets import Dataset
 
-from .data import as_prompt, completion_text, load_rows, local_data, require_columns
+from .data import as_prompt, completion_text, load_rows, local_data, require_answers, require_columns
 
 
 INTRODUCTION = "Answer the question using the paragraphs below."
@@ -38,6 +39,8 @@ def hotpotqa(split: str = "validation", source: str | None = None, conversationa
     source = source or local_data(_LOCAL_FILES[split], hub_id="hotpotqa/hotpot_qa")
     rows = load_rows(source, split, hub_config="distractor")
     require_columns(rows, ["question", "answer", "context"], source)
+    require_answers(rows, "answer", source)
+    rows = rows.remove_columns("answer").add_column("answer", [str(answer) for answer in rows["answer"]])
     return rows.map(lambda row: _format(row, conversational), remove_columns=rows.column_names)
 
 
@@ -73,10 +76,12 @@ def extract_answer(text: str) -> str | None:
     return answer or None
 
 
-def f1(prediction: str | None, reference: str) -> float:
-    """Token F1 of a normalised prediction against a reference (0 for None, or a yes/no mismatch)."""
-    reference = normalize(reference)
-    if prediction is None or ({prediction, reference} & _SPECIAL and prediction != reference):
+def f1(prediction: str | None, reference: str | None) -> float:
+    """Token F1 of a normalised prediction against a reference (0 for either None, or a yes/no mismatch)."""
+    if prediction is None or reference is None:
+        return 0.0
+    reference = normalize(str(reference))
+    if {prediction, reference} & _SPECIAL and prediction != reference:
         return 0.0
     common = sum((Counter(prediction.split()) & Counter(reference.split())).values())
     if common == 0:
@@ -87,9 +92,13 @@ def f1(prediction: str | None, reference: str) -> float:
 
 def hotpotqa_reward(completions, answer, log_metric=None, **kwargs) -> list[float]:
     """TRL-signature reward: 1.0 when the completion's answer matches `answer` exactly after normalisation, else
-    0.0; the batch's mean token F1 goes to `log_metric("hotpotqa_f1", …)` when given."""
+    0.0 (also when `answer` is missing); the batch's mean token F1 goes to `log_metric("hotpotqa_f1", …)` when
+    given."""
     predictions = [extract_answer(completion_text(c)) for c in completions]
     if log_metric is not None and predictions:
         scores = [f1(p, a) for p, a in zip(predictions, answer, strict=True)]
         log_metric("hotpotqa_f1", sum(scores) / len(scores))
-    return [float(p is not None and p == normalize(a)) for p, a in zip(predictions, answer, strict=True)]
+    return [
+        float(p is not None and a is not None and p == normalize(str(a)))
+        for p, a in zip(predictions, answer, strict=True)
+    ]

@@ -3,13 +3,14 @@
 Prompt template (SimpleRL/veRL's): `{problem} Let's think step by step and output the final answer within
 \\boxed{}.`, as one user message (or plain text). Answer column `answer` (LaTeX, from the data). A completion is
 correct when math-verify's `verify(parse("$answer$"), parse(completion))` holds (equivalent numbers, fractions,
-intervals, expressions…); its vote for Maj@K is math-verify's string form of what it parsed.
+intervals, expressions…); its vote for Maj@K is math-verify's string form of what it parsed, and answers math-verify
+holds equivalent (`25`, `025`, `\\frac{50}{2}`) are one vote (`same_answer`).
 """
 
 from __future__ import annotations
 
 from ..util.compat import import_extra
-from .data import as_prompt, completion_text, load_rows, local_data, require_columns
+from .data import as_prompt, completion_text, load_rows, local_data, require_answers, require_columns
 
 
 TEMPLATE = "{problem} Let's think step by step and output the final answer within \\boxed{{}}."
@@ -23,6 +24,7 @@ def math500(split: str = "test", source: str | None = None, conversational: bool
     source = source or local_data("math500/test.jsonl", hub_id="HuggingFaceH4/MATH-500")
     rows = load_rows(source, split)
     require_columns(rows, ["problem", "answer"], source)
+    require_answers(rows, "answer", source)
     return rows.map(lambda row: {"prompt": as_prompt(TEMPLATE.format(problem=row["problem"]), conversational)})
 
 
@@ -41,15 +43,25 @@ def extract_answer(text: str) -> str | None:
     return str(parsed[-1]) if parsed else None
 
 
-def math_reward(completions, answer, **kwargs) -> list[float]:
-    """TRL-signature reward: 1.0 when the completion's answer is equivalent to `answer` (math-verify), else 0.0."""
+def _equivalent(gold: list, predicted: list) -> bool:
     verify = import_extra("math_verify", "tasks", "the math500 task").verify
 
+    try:
+        return bool(gold and predicted and verify(gold, predicted))
+    except Exception:  # noqa: BLE001 — a comparison math-verify cannot make counts as different
+        return False
+
+
+def same_answer(first: str, second: str) -> bool:
+    """Whether two answers `extract_answer` gave are equivalent by math-verify (one vote in Maj@K)."""
+    return first == second or _equivalent(_parse(f"${first}$"), _parse(f"${second}$"))
+
+
+def math_reward(completions, answer, **kwargs) -> list[float]:
+    """TRL-signature reward: 1.0 when the completion's answer is equivalent to `answer` (math-verify), else 0.0 (also
+    when `answer` is missing)."""
     rewards = []
     for completion, reference in zip(completions, answer, strict=True):
-        gold, predicted = _parse(f"${reference}$"), _parse(completion_text(completion))
-        try:
-            rewards.append(float(bool(gold and predicted and verify(gold, predicted))))
-        except Exception:  # noqa: BLE001 — a comparison math-verify cannot make counts as wrong
-            rewards.append(0.0)
+        gold = [] if reference is None else _parse(f"${reference}$")  # None would read as the symbols N·o·n·e
+        rewards.append(float(_equivalent(gold, _parse(completion_text(completion)))))
     return rewards
