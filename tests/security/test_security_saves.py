@@ -200,8 +200,8 @@ def test_a_ctrl_c_in_a_trainers_guarded_save_waits_for_its_end(tmp_path, trained
 
 @pytest.mark.slow  # trains a step for replay's chain; ~10 s
 def test_no_command_saves_onto_a_file(tmp_path, tiny_model_dir, prompt_dataset, capsys):
-    """A save onto a path that is a file moves the file aside to a `….partial.replaced` that nothing removes
-    (util/atomic.py, kept so): the commands that save a model or results refuse such a path before saving."""
+    """A save onto a path that is a file moved the file aside to a `….partial.replaced` that nothing removed: the
+    commands that save a model or results refuse such a path before saving."""
     trainer = ESTrainer(tiny_model_dir, reward, args=es_config(tmp_path, max_steps=1), train_dataset=prompt_dataset)
     trainer.train()
     trainer.save_model()  # out/es_chain.json, for replay
@@ -213,4 +213,17 @@ def test_no_command_saves_onto_a_file(tmp_path, tiny_model_dir, prompt_dataset, 
         cli(["apply-delta", "--base", tiny_model_dir, "--delta", str(tmp_path / "d.safetensors"), "--out", str(taken)])
     errors = capsys.readouterr().err
     assert "Traceback" not in errors and errors.count(str(taken)) == 3
+    assert taken.read_text() == "mine" and not list(tmp_path.rglob("*.replaced"))
+
+
+def test_a_checkpoint_onto_a_file_is_refused_and_the_file_kept(tmp_path, tiny_model_dir, prompt_dataset):
+    """A file named like the checkpoint to write (`out/checkpoint-1`) was moved into `.staging/…replaced` and left
+    there: the save is refused naming it, and the file stays as it was."""
+    args = es_config(tmp_path, max_steps=1, save_strategy="steps", save_steps=1)
+    taken = tmp_path / "out" / "checkpoint-1"
+    taken.parent.mkdir()
+    taken.write_text("mine")
+    trainer = ESTrainer(tiny_model_dir, reward, args=args, train_dataset=prompt_dataset)
+    with pytest.raises(FileExistsError, match="checkpoint-1 exists and is not a directory"):
+        trainer.train()
     assert taken.read_text() == "mine" and not list(tmp_path.rglob("*.replaced"))

@@ -82,6 +82,26 @@ def test_maj_at_k_votes_by_the_tasks_equivalence_of_answers(tmp_path):
     assert evaluate_task(FixedCompletions(["none"] * 5), *arguments) == scores  # read back from the records
 
 
+def test_the_trainers_maj_at_k_votes_by_the_tasks_equivalence_too(tmp_path, tiny_model_dir):
+    """ESTrainer.evaluate with eval_task='math500': 25, 025 and \\frac{50}{2} are one answer, which wins Maj@5."""
+    from datasets import Dataset
+    from helpers import es_config, scripted
+
+    from trl_es import ESTrainer
+    from trl_es.tasks import TASKS
+
+    answers = ["\\boxed{25}", "\\boxed{025}", "\\boxed{\\frac{50}{2}}", "\\boxed{7}", "so \\boxed{7}"]
+    dataset = Dataset.from_dict({"prompt": ["5 * 5?"], "answer": ["25"]})
+    args = es_config(
+        tmp_path, eval_task="math500", num_generations_eval=5, eval_k=[1, 5], per_device_eval_batch_size=1
+    )
+    trainer = ESTrainer(tiny_model_dir, TASKS["math500"].reward, args=args, train_dataset=dataset)
+    scripted(trainer, lambda row, prompt, ids: answers[row % 5])
+    metrics = trainer.evaluate(dataset)
+    assert metrics["eval_pass@1"] == pytest.approx(3 / 5) and metrics["eval_maj@1"] == pytest.approx(3 / 5)
+    assert metrics["eval_maj@5"] == 1.0  # voted by the matched text: the two 7s won, 0
+
+
 @pytest.mark.parametrize(
     "answers", [[["7"], ["8"]], [{"vote": 7}, None], None, ["7"]], ids=["lists", "dict", "null", "one"]
 )

@@ -138,7 +138,8 @@ class ReportingMixin:
             return metrics
         args, accelerator, start_time = self.args, self.accelerator, time.perf_counter()
         n = args.num_generations_eval or args.num_generations
-        extract = get_task(args.eval_task).extract_answer if args.eval_task else None
+        task = get_task(args.eval_task) if args.eval_task else None
+        extract, same_answer = (task.extract_answer, task.same_answer) if task else (None, None)
         rank, world, size = accelerator.process_index, accelerator.num_processes, args.per_device_eval_batch_size
         rows, records = list(dataset)[rank::world], []
         options = (args.eval_k, extract, args.success_threshold)
@@ -155,7 +156,11 @@ class ReportingMixin:
                 seed = eval_seed(args.seed, self.state.global_step, first)
                 key = ("eval", self.state.global_step, first)  # the environments' resets of this chunk
                 chunk = rows[start : start + size]
-                records.append(evaluate_batch(self.rollout, chunk, n, seed, rewards_of, *options, key=key))
+                records.append(
+                    evaluate_batch(
+                        self.rollout, chunk, n, seed, rewards_of, *options, key=key, same_answer=same_answer
+                    )
+                )
         reduce = lambda totals: accelerator.reduce(totals.to(accelerator.device), "sum").cpu()  # noqa: E731
         summary = summarize_records(records, args.eval_k, extract is not None, reduce)
         metrics = {f"{metric_key_prefix}_{key}": value for key, value in summary.items() if key != "problems"}

@@ -51,7 +51,10 @@ def interrupts_held():
 
 
 def publish_directory(staging: str, target: str) -> None:
-    """Make the complete directory `staging` appear at `target` in one rename (an existing `target` is replaced)."""
+    """Make the complete directory `staging` appear at `target` in one rename (an existing directory `target` is
+    replaced; anything else there is a FileExistsError, and stays as it was)."""
+    if os.path.lexists(target) and not os.path.isdir(target):
+        raise FileExistsError(f"{target} exists and is not a directory: trl-es saves a directory there; move it away")
     fsync_tree(staging)
     replaced = f"{staging}.replaced"
     with interrupts_held():
