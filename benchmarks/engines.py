@@ -11,7 +11,8 @@ generates, subtracts the regenerated noise again; the update regenerates every m
 and compiled with torch.compile: `vllm_enforce_eager=False`; "members reloaded" is the eager row with the members
 copied into vLLM by a whole-model reload, as before they were written in place), and the low-rank batched population
 (EGGROLL), on transformers (forward hooks) and in vLLM (one LoRA adapter per member, all in one generate call);
-full- and low-rank again at `--large-population`. "plain … generate" rows are the engine limit: one generate call of
+ES on a rank-16 LoRA adapter over every linear layer, with transformers and with vLLM (the adapter's members in vLLM's
+LoRA slots, the whole population in one call); full- and low-rank again at `--large-population`. "plain … generate" rows are the engine limit: one generate call of
 the same rows at θ with no ES at all; each trl-es row is also given as a share of it (EGGROLL reports 91% for its
 batched population), and for the LoRA rows the share of the step the adapters add.
 
@@ -134,8 +135,14 @@ def trl_es(spec: dict, out_dir: str) -> dict:
         **spec["settings"],
     )
     clock = StepClock()
+    adapter = {}
+    if spec.get("lora_rank"):  # ES on a new LoRA adapter over every linear layer (TRL's PEFT recipes' "all-linear")
+        from peft import LoraConfig
+
+        adapter["peft_config"] = LoraConfig(r=spec["lora_rank"], lora_alpha=2 * spec["lora_rank"],
+                                            target_modules="all-linear", task_type="CAUSAL_LM")  # fmt: skip
     trainer = ESTrainer(
-        smollm2_dir(), countdown_reward, args=args, train_dataset=countdown("train"), callbacks=[clock]
+        smollm2_dir(), countdown_reward, args=args, train_dataset=countdown("train"), callbacks=[clock], **adapter
     )
     trainer.train()
     log = [record for record in trainer.state.log_history if "reward" in record][-1]
@@ -224,6 +231,7 @@ def main():
 
     small, large = options.population, options.large_population
     vllm, lowrank = {"use_vllm": True, "vllm_max_model_length": 512}, {"es_search_space": "lowrank"}
+    adapter = {"lora_rank": 16}  # ES on a rank-16 LoRA adapter (a spec key, not an ESConfig field)
     rows = [
         ("peer: Qiu et al. loop", "peer", small, {}),
         ("trl-es transformers", "trl-es", small, {}),
@@ -232,6 +240,8 @@ def main():
         ("trl-es vLLM (compiled)", "trl-es", small, {**vllm, "vllm_enforce_eager": False}),
         ("trl-es low-rank", "trl-es", small, lowrank),
         ("trl-es vLLM low-rank (LoRA)", "trl-es", small, {**vllm, **lowrank}),
+        ("trl-es LoRA adapter", "trl-es", small, adapter),
+        ("trl-es vLLM LoRA adapter (slots)", "trl-es", small, {**vllm, **adapter}),
         ("plain transformers generate", "plain", small, {}),
         ("plain vLLM generate", "plain", small, vllm),
         ("trl-es transformers", "trl-es", large, {}),
@@ -239,6 +249,8 @@ def main():
         ("trl-es low-rank", "trl-es", large, lowrank),
         ("  same, 8 members per call", "trl-es", large, {**lowrank, "lowrank_members_per_call": 8}),
         ("trl-es vLLM low-rank (LoRA)", "trl-es", large, {**vllm, **lowrank}),
+        ("trl-es LoRA adapter", "trl-es", large, adapter),
+        ("trl-es vLLM LoRA adapter (slots)", "trl-es", large, {**vllm, **adapter}),
         ("plain transformers generate", "plain", large, {}),
         ("plain vLLM generate", "plain", large, vllm),
     ]
@@ -257,7 +269,9 @@ def main():
     print(f"{header} {'update':>7} {'peak RSS MB':>12} {'restore bitwise':>16}")
     peer_rate, results = None, {}
     for k, (label, engine, n, settings, *reload) in enumerate(rows):
-        spec = {"label": label, "engine": engine, "population": n, "settings": settings, **common}
+        settings = dict(settings)
+        spec = {"label": label, "engine": engine, "population": n, "lora_rank": settings.pop("lora_rank", None),
+                "settings": settings, **common}  # fmt: skip
         spec["reload_members"] = bool(reload)
         result = results[label.strip(), n] = run(spec, os.path.join(scratch, f"row-{k}"))
         rate = result["rate"] = 60 * n / result["step_seconds"]
