@@ -314,3 +314,40 @@ def test_fsdp1_on_cpu_is_refused_before_any_weights_load(tmp_path, monkeypatch, 
         monkeypatch.setenv(variable, value)
     with pytest.raises(ValueError, match="FSDP1 with sync_module_states cannot run on cpu.*fsdp2"):
         ESTrainer(str(tmp_path / "not-loaded"), even_token_share, args=args, train_dataset=prompt_dataset)
+
+
+@pytest.mark.parametrize("column", ["image", "images"])
+def test_a_dataset_with_images_is_refused_not_trained_on_its_text(tmp_path, tiny_model_dir, prompt_dataset, column):
+    """GRPOTrainer shows a dataset's image(s) to a vision-language model; ESTrainer does not yet, and trained on the
+    text alone without a word: now it says so, for the train and the eval dataset."""
+    with_images = prompt_dataset.add_column(column, [None] * len(prompt_dataset))
+    for datasets in ({"train_dataset": with_images}, {"train_dataset": prompt_dataset, "eval_dataset": with_images}):
+        with pytest.raises(ValueError, match=f"has an '{column}' column.*does not pass images"):
+            ESTrainer(tiny_model_dir, even_token_share, args=config(tmp_path), **datasets)
+
+
+def test_a_vision_language_model_is_refused(tmp_path, prompt_dataset):
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = dict(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, bos_token_id=0, eos_token_id=1)  # fmt: skip
+    vision = dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, in_channels=3)
+    model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision))
+    with pytest.raises(ValueError, match="vision-language model: ESTrainer does not pass images"):
+        ESTrainer(model, even_token_share, args=config(tmp_path), train_dataset=prompt_dataset)
+
+
+def test_lowrank_says_a_mixture_of_experts_fused_experts_stay_fixed(tmp_path, tokenizer_dir, prompt_dataset):
+    """Low-rank ES perturbs nn.Linear weights; a Qwen3-MoE's experts are fused 3-D tensors, which it leaves fixed:
+    a warning names them (full ES trains them)."""
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    moe = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    args = config(tmp_path, es_search_space="lowrank")
+    with pytest.warns(UserWarning, match=r"2 selected tensors of more than 2 dimensions.*experts\.gate_up_proj"):
+        ESTrainer(Qwen3MoeForCausalLM(moe), even_token_share, args=args, train_dataset=prompt_dataset,
+                  processing_class=tokenizer)  # fmt: skip

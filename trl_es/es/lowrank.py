@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -230,6 +231,14 @@ class LowRankSpace(SearchSpace):
             raise ValueError(
                 "es_search_space='lowrank' perturbs nn.Linear weights, and none is among the parameters ES selects "
                 "(es_parameter_patterns)"
+            )
+        fused = [name for name, p in weights.params.items() if p.dim() > 2]
+        if fused:  # a mixture of experts' fused expert tensors, which are no nn.Linear
+            warnings.warn(
+                f"es_search_space='lowrank' perturbs nn.Linear weights only: {len(fused)} selected tensors of more "
+                f"than 2 dimensions (e.g. {fused[0]!r}, a mixture of experts' fused experts) stay fixed. Use "
+                "es_search_space='full' or 'copes' to train them",
+                stacklevel=3,
             )
         self.weights, self.targets, self.seed, self.population_size = weights, targets, seed, population_size
         self.sigma = sigma

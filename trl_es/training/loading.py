@@ -64,6 +64,11 @@ def prepare_model(model, args, processing_class=None, peft_config=None, quantiza
         if quantization_config is not None:
             logger.warning("`quantization_config` is ignored: the model is already instantiated.")
     check_model_type(model)
+    if getattr(model.config, "vision_config", None) is not None:
+        raise ValueError(
+            f"{type(model).__name__} is a vision-language model: ESTrainer does not pass images to it yet (it would "
+            "train on text alone). Use GRPOTrainer for vision-language training"
+        )
     if peft_config is not None:
         model = add_adapter(model, peft_config, args.seed)
     check_quantized(model)
@@ -205,6 +210,13 @@ def check_prompt_dataset(dataset, name: str = "train_dataset") -> None:
     columns = getattr(dataset, "column_names", None)
     if columns is not None and "prompt" not in columns:
         raise ValueError(f"`{name}` has no 'prompt' column (columns: {columns})")
+    images = sorted({"image", "images"} & set(columns or ()))
+    if images:
+        raise ValueError(
+            f"`{name}` has an {images[0]!r} column: GRPOTrainer shows it to a vision-language model, and ESTrainer "
+            "does not pass images to the model yet (it would train on the text alone). Remove the column to train "
+            "on the text, or use GRPOTrainer for vision-language training"
+        )
     if isinstance(dataset, Dataset):
         if len(dataset) == 0:
             raise ValueError(f"`{name}` is empty")
