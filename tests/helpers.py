@@ -153,8 +153,8 @@ class NormsOnlySpace(SearchSpace):
 
     name = "test-norms-only"
 
-    def __init__(self, weights, seed: int, population_size: int, sigma: float):
-        self.weights, self.seed, self.population_size, self.sigma = weights, seed, population_size, sigma
+    def __init__(self, weights, seed: int, population_size: int):
+        self.weights, self.seed, self.population_size = weights, seed, population_size
         self.names = [name for name in weights.params if "norm" in name]
 
     @classmethod
@@ -164,12 +164,11 @@ class NormsOnlySpace(SearchSpace):
 
     @classmethod
     def from_config(cls, args, model, weights, load_model=None):
-        return cls(weights, args.seed, args.population_size, args.sigma)
+        return cls(weights, args.seed, args.population_size)
 
-    def _ask(self, step):
-        return [
-            Direction(self.seed * 1000 + step * 100 + i // 2, 1 - 2 * (i % 2)) for i in range(self.population_size)
-        ]
+    def _ask(self, step, sigma):
+        seeds = [self.seed * 1000 + step * 100 + i // 2 for i in range(self.population_size)]
+        return [Direction(seed, 1 - 2 * (i % 2), sigma=sigma) for i, seed in enumerate(seeds)]
 
     @contextlib.contextmanager
     def evaluating(self, members):
@@ -178,7 +177,7 @@ class NormsOnlySpace(SearchSpace):
         if member is None:
             self.weights.center()
         else:
-            self.weights.member(member.seed, member.sign * self.sigma, self.names)
+            self.weights.member(member.seed, member.sign * member.sigma, self.names)
         yield route
 
     def _tell(self, members, rewards, fitness, learning_rate):

@@ -45,9 +45,13 @@ def test_antithetic_needs_an_even_population(tmp_path):
 
 
 def test_sigma_schedule_decays_to_its_floor(tmp_path):
-    args = ESConfig(str(tmp_path), sigma=0.02, sigma_decay=0.5, sigma_limit=0.004)
-    assert [args.sigma_at(t) for t in range(4)] == [0.02, 0.01, 0.005, 0.004]
-    assert ESConfig(str(tmp_path), sigma=0.02).sigma_at(100) == 0.02  # sigma_decay=1: constant
+    from trl_es.es.space import UpdateRule
+
+    def schedule(**fields):
+        return UpdateRule.from_config(ESConfig(str(tmp_path), sigma=0.02, **fields)).sigma_at
+
+    assert [schedule(sigma_decay=0.5, sigma_limit=0.004)(t) for t in range(4)] == [0.02, 0.01, 0.005, 0.004]
+    assert schedule()(100) == 0.02  # sigma_decay=1: constant
 
 
 def test_gradient_only_fields_warn_and_are_ignored(tmp_path):

@@ -273,9 +273,10 @@ def lowrank(out: Path) -> dict:
     space, inside_vllm = vl.space, extension(vl)
     members = [(member_seed(5, 1, 0), 1), (member_seed(5, 1, 1), -1)]
     results["member_weight_errors"] = []
-    with vl.weights.lowrank_members([(seed, space.sigma * sign) for seed, sign in members]):
+    sigma = vl.space.rule.sigma_at(1)
+    with vl.weights.lowrank_members([(seed, sigma * sign) for seed, sign in members]):
         for name, module in list(space.targets.items())[:3]:
-            hooks = LowRankPopulation({name: module}, [m[0] for m in members], [m[1] for m in members], space.sigma, 2)
+            hooks = LowRankPopulation({name: module}, [m[0] for m in members], [m[1] for m in members], sigma, 2)
             b_all, a_all = hooks.concatenated_factors(name, module.weight)
             a, b = inside_vllm._es_adapters[name]
             for k in range(len(members)):

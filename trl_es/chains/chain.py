@@ -33,7 +33,7 @@ from trl.trainer.utils import get_config_model_id
 
 from ..es.noise import CHUNK, MAX_TABLE_SIZE
 from ..es.params import upcast
-from ..es.space import SEARCH_SPACES, anchor_pull, step_optimizer
+from ..es.space import SEARCH_SPACES, UpdateRule
 from ..es.weights import LocalWeights, weights_hash
 from ..util.atomic import atomic_write_text
 from ..util.compat import import_extra
@@ -267,12 +267,10 @@ class Chain:
         from ..util.models import load_starting_model
 
         replay = _space_class(space["kind"]).replayer(space, weights, load_starting_model)
-        optimizer = rebuild_optimizer(space["optimizer"], params) if space.get("optimizer") else None
-        anchor = (
-            {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
-            if space.get("anchor_decay")
-            else None
-        )
+        rule = UpdateRule(anchor_decay=space.get("anchor_decay", 0.0))  # what follows each update, as in training
+        if space.get("optimizer"):
+            rule.use_optimizer(rebuild_optimizer(space["optimizer"], params))
+        rule.hold_anchor(params)  # θ₀: the chain's base
         with torch.no_grad():
             for entry in self.steps:
                 if steps is not None and entry["step"] >= steps:
@@ -281,10 +279,8 @@ class Chain:
                     weights.capture()
                     try:
                         replay(entry["update"])
-                        if optimizer is not None:  # the optimizer's step, as training took it
-                            step_optimizer(optimizer, params, entry["update"]["learning_rates"])
-                        if anchor is not None:  # the pull toward the base θ₀, as training's `SearchSpace.tell`
-                            anchor_pull(params, anchor, space["anchor_decay"])
+                        rates = entry["update"]["learning_rates"] if rule.optimizer is not None else None
+                        rule.after_update(params, rates)  # the optimizer's step as training took it, the decay
                     except (KeyError, IndexError, TypeError) as error:
                         raise ValueError(
                             f"the update of chain step {entry['step']} is malformed ({error!r})"

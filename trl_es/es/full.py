@@ -30,21 +30,19 @@ class FullSpace(SearchSpace):
         weights,
         seed: int,
         population_size: int,
-        sigma: float,
         antithetic: bool = False,
         weight_decay: float = 0.0,
         groups: list[list[str]] | None = None,
         gradient: bool = False,
     ):
         self.weights, self.seed, self.population_size = weights, seed, population_size
-        self.sigma, self.antithetic, self.weight_decay, self.groups = sigma, antithetic, weight_decay, groups
-        self.gradient = gradient
+        self.antithetic, self.weight_decay, self.groups, self.gradient = antithetic, weight_decay, groups, gradient
         self.batched = getattr(weights, "batches_members", False)  # an engine's LoRA slots: many members a call
 
     @classmethod
     def from_config(cls, args, model, weights, load_model=None) -> FullSpace:
         decay = 0.0 if args.es_optimizer else args.weight_decay  # the optimizer decays the weights itself
-        common = (args.seed, args.population_size, args.sigma, args.antithetic, decay)
+        common = (args.seed, args.population_size, args.antithetic, decay)
         return cls(weights, *common, groups=cls._groups(args, weights), gradient=args.es_optimizer)
 
     @classmethod
@@ -52,17 +50,16 @@ class FullSpace(SearchSpace):
         """The parameter groups members perturb one at a time (CoPES); None: every member perturbs all of θ."""
         return None
 
-    def _ask(self, step: int) -> list[Direction]:
-        members = directions(self.seed, step, self.population_size, self.antithetic)
+    def _ask(self, step: int, sigma: float) -> list[Direction]:
+        members = directions(self.seed, step, self.population_size, self.antithetic, sigma)
         if self.groups is None:
             return members
         groups = member_groups(self.population_size, len(self.groups), self.antithetic)
-        return [Direction(m.seed, m.sign, g) for m, g in zip(members, groups, strict=True)]
+        return [Direction(m.seed, m.sign, g, sigma) for m, g in zip(members, groups, strict=True)]
 
-    @property
-    def member_scale(self) -> float:
-        """σ of a member's noise: σ, or σ·√K over K CoPES groups."""
-        return self.sigma if self.groups is None else self.sigma * len(self.groups) ** 0.5
+    def member_scale(self, member: Direction) -> float:
+        """The scale of a member's noise: its σ, or σ·√K over K CoPES groups."""
+        return member.sigma if self.groups is None else member.sigma * len(self.groups) ** 0.5
 
     def members_per_call(self, n_local: int) -> int:
         return (n_local or 1) if self.batched else 1
@@ -73,7 +70,9 @@ class FullSpace(SearchSpace):
         adapter's members in vLLM's LoRA slots), all of `members` at once (`members`)."""
         if self.batched:
             names = lambda m: None if m.group is None else self.groups[m.group]  # noqa: E731
-            slots = [(0, 0.0, None) if m is None else (m.seed, m.sign * self.member_scale, names(m)) for m in members]
+            slots = [
+                (0, 0.0, None) if m is None else (m.seed, m.sign * self.member_scale(m), names(m)) for m in members
+            ]
             with self.weights.members(slots) as route:
                 yield route
             return
@@ -83,7 +82,7 @@ class FullSpace(SearchSpace):
             self.weights.center()
         else:
             names = None if member.group is None else self.groups[member.group]
-            self.weights.member(member.seed, member.sign * self.member_scale, names)
+            self.weights.member(member.seed, member.sign * self.member_scale(member), names)
         yield route
 
     def _tell(self, members: list[Direction], rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float):
@@ -95,7 +94,7 @@ class FullSpace(SearchSpace):
         squared, record = 0.0, {"updates": []}
         for g, names, own in parts:
             n_valid = max(int(valid[own].sum()), 1) if g is not None else int(valid.sum())
-            scale = 1 / self.member_scale if self.gradient else learning_rate  # ĝ's 1/(Nσ), or the update's α/N
+            scale = 1 / self.member_scale(members[0]) if self.gradient else learning_rate  # ĝ's 1/(Nσ), or α/N
             coefficients = update_coefficients(fitness[own], [pairs[i] for i in own], scale, n_valid)
             record["updates"].append(_record(g, coefficients, decay))
             if self.gradient:

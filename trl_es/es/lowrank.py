@@ -220,7 +220,6 @@ class LowRankSpace(SearchSpace):
         targets: dict[str, torch.nn.Linear],
         seed: int,
         population_size: int,
-        sigma: float,
         rank: int = 1,
         antithetic: bool = False,
         members_per_call: int | None = None,
@@ -241,7 +240,6 @@ class LowRankSpace(SearchSpace):
                 stacklevel=3,
             )
         self.weights, self.targets, self.seed, self.population_size = weights, targets, seed, population_size
-        self.sigma = sigma
         self.rank, self.antithetic, self.per_call = rank, antithetic, members_per_call
         self.gradient = gradient  # True: write −ĝ into the weights' .grad for an optimizer (ESConfig.es_optimizer)
         self.adapters = adapters
@@ -264,13 +262,13 @@ class LowRankSpace(SearchSpace):
     @classmethod
     def from_config(cls, args, model, weights, load_model=None) -> LowRankSpace:
         """From ESConfig: the model's `nn.Linear` weights among those ES selects, rank `lowrank_rank`."""
-        common = (args.seed, args.population_size, args.sigma, args.lowrank_rank, args.antithetic)
+        common = (args.seed, args.population_size, args.lowrank_rank, args.antithetic)
         targets = lowrank_targets(model, weights.params)
         adapters = weights if isinstance(weights, AdapterWeights) else None  # vLLM's LoRA slots
         return cls(weights, targets, *common, args.lowrank_members_per_call, args.es_optimizer, adapters)
 
-    def _ask(self, step: int) -> list[Direction]:
-        return directions(self.seed, step, self.population_size, self.antithetic)
+    def _ask(self, step: int, sigma: float) -> list[Direction]:
+        return directions(self.seed, step, self.population_size, self.antithetic, sigma)
 
     def members_per_call(self, n_local: int) -> int:
         return self.per_call or n_local or 1
@@ -279,7 +277,7 @@ class LowRankSpace(SearchSpace):
     def evaluating(self, members: list[Direction | None]):
         """The members' `LowRankPopulation` (or vLLM adapters); rows routed to a None member (the centre) see θ."""
         if self.adapters is not None:  # one adapter per entry; the centre's is zero
-            scales = [(0, 0.0) if m is None else (m.seed, self.sigma * m.sign) for m in members]
+            scales = [(0, 0.0) if m is None else (m.seed, m.sigma * m.sign) for m in members]
             with self.adapters.lowrank_members(scales) as route:
                 yield route
             return
@@ -292,12 +290,13 @@ class LowRankSpace(SearchSpace):
             positions.append(-1 if m is None else k)
             k += m is not None
         seeds, signs = [m.seed for m in perturbed], [m.sign for m in perturbed]
-        with LowRankPopulation(self.targets, seeds, signs, self.sigma, self.rank) as route:
+        with LowRankPopulation(self.targets, seeds, signs, perturbed[0].sigma, self.rank) as route:
             yield lambda rows: route(positions[rows] if isinstance(rows, int) else [positions[i] for i in rows])
 
     def _tell(self, members: list[Direction], rewards: torch.Tensor, fitness: torch.Tensor, learning_rate: float):
         pairs, n_valid = [(m.seed, m.sign) for m in members], int((~torch.isnan(rewards)).sum())
-        coefficients = update_coefficients(fitness, pairs, 1 / self.sigma if self.gradient else learning_rate, n_valid)
+        scale = 1 / members[0].sigma if self.gradient else learning_rate  # ĝ's 1/(Nσ), or the update's α/N
+        coefficients = update_coefficients(fitness, pairs, scale, n_valid)
         record = {"coefficients": [[seed, c] for seed, c in coefficients.items()]}
         tensors = {name: self.weights.params[name] for name in self.targets}  # the trainer's, written in place
         if self.gradient:

@@ -294,8 +294,8 @@ class MergeSpace(SearchSpace):
         settings = (args.merge_density, args.merge_init, args.merge_sigma, args.population_size, args.seed)
         return cls(weights, tuned, *settings)
 
-    def _ask(self, step: int) -> list[torch.Tensor]:
-        return self.search.ask()  # the same on every process: CMA-ES is seeded
+    def _ask(self, step: int, sigma: float) -> list[torch.Tensor]:
+        return self.search.ask()  # the same on every process: CMA-ES is seeded, and adapts its own step size
 
     def merged(self, coefficients: torch.Tensor) -> dict[str, torch.Tensor]:
         return merge(self.base, self.vectors, coefficients, self.groups, self.density, self.seed)

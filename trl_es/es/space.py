@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -60,18 +60,21 @@ def search_space(name: str) -> type[SearchSpace]:
 
 @dataclass(frozen=True)
 class Direction:
-    """A member's noise: sign·ε(seed), over CoPES group `group` (None: every parameter)."""
+    """A member's noise: σ·sign·ε(seed), over CoPES group `group` (None: every parameter); σ is the step's σ_t."""
 
     seed: int
     sign: int = 1
     group: int | None = None
+    sigma: float = 1e-3
 
 
-def directions(seed: int, step: int, population_size: int, antithetic: bool) -> list[Direction]:
-    """Member i's direction at step `step`: ε(seed(t, i)), or ±ε(seed(t, k)) for antithetic pair k = i // 2."""
+def directions(seed: int, step: int, population_size: int, antithetic: bool, sigma: float) -> list[Direction]:
+    """Member i's direction at step `step` and noise scale `sigma`: ε(seed(t, i)), or ±ε(seed(t, k)) for antithetic
+    pair k = i // 2."""
     if antithetic:
-        return [Direction(member_seed(seed, step, i // 2), 1 if i % 2 == 0 else -1) for i in range(population_size)]
-    return [Direction(member_seed(seed, step, i)) for i in range(population_size)]
+        pairs = [(member_seed(seed, step, i // 2), 1 if i % 2 == 0 else -1) for i in range(population_size)]
+        return [Direction(member, sign, sigma=sigma) for member, sign in pairs]
+    return [Direction(member_seed(seed, step, i), sigma=sigma) for i in range(population_size)]
 
 
 def one_member(members: list) -> Route:
@@ -110,35 +113,69 @@ def anchor_pull(params: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor]
             flat[a : a + ANCHOR_WINDOW] = theta - decay * (theta - origin)
 
 
-@dataclass
 class UpdateRule:
-    """What every search space's `tell` shares (ESConfig's ES-step fields): the σ schedule (`sigma_schedule`), the
-    fitness shaping of the members' rewards minus the centre's (`es_baseline="center"`), with `es_optimizer`
-    Trainer's optimizer, which steps on the gradient estimate `_tell` writes, and with `es_anchor_decay` = λ > 0 the
-    anchored decay θ ← θ − λ·(θ − θ₀) after each update (`anchor_pull`), θ₀ (`anchor`) the run's starting weights,
-    held on the host from the run's first step (`hold_anchor`; a resumed run's comes from its checkpoint)."""
+    """What every search space's `tell` shares (ESConfig's ES-step fields), with its state explicit: the σ schedule
+    (`sigma_at`, `sigma_schedule`), the fitness shaping of the members' rewards minus the centre's
+    (`es_baseline="center"`), and what follows a space's update (`after_update`, in training and in a seed chain's
+    replay alike): with `es_optimizer`, the step of the optimizer the trainer hands it (`use_optimizer`) on the
+    gradient estimate the space wrote; with `es_anchor_decay` = λ > 0, the anchored decay θ ← θ − λ·(θ − θ₀)
+    (`anchor_pull`), θ₀ the run's starting weights, held on the host from its first step (`hold_anchor`) or taken
+    from a checkpoint (`load_state_dict`)."""
 
-    sigma: float = 1e-3
-    sigma_decay: float = 1.0
-    sigma_limit: float = 0.0
-    shaping: str = "zscore"
-    optimizer: torch.optim.Optimizer | None = field(default=None, repr=False)
-    anchor_decay: float = 0.0
-    anchor: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    def __init__(
+        self,
+        sigma: float = 1e-3,
+        sigma_decay: float = 1.0,
+        sigma_limit: float = 0.0,
+        shaping: str = "zscore",
+        anchor_decay: float = 0.0,
+    ):
+        self.sigma, self.sigma_decay, self.sigma_limit, self.shaping = sigma, sigma_decay, sigma_limit, shaping
+        self.anchor_decay = anchor_decay
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.anchor: dict[str, torch.Tensor] | None = None
 
     @classmethod
     def from_config(cls, args) -> UpdateRule:
-        return cls(args.sigma, args.sigma_decay, args.sigma_limit, args.fitness_shaping,
-                   anchor_decay=args.es_anchor_decay)  # fmt: skip
+        return cls(args.sigma, args.sigma_decay, args.sigma_limit, args.fitness_shaping, args.es_anchor_decay)
 
     def sigma_at(self, step: int) -> float:
         return sigma_schedule(self.sigma, self.sigma_decay, self.sigma_limit, step)
+
+    def fitness(self, rewards: torch.Tensor, center: float | None) -> torch.Tensor | None:
+        """The shaped fitness of the members' `rewards` (NaN: none) minus the centre's reward `center` (when there
+        is one, and it is a number); None when the rewards carry no signal (no spread)."""
+        baseline = center if center is not None and not math.isnan(center) else 0.0
+        return shape_fitness(rewards - baseline, self.shaping)
+
+    def use_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """With `es_optimizer`: the optimizer that steps on the gradient estimate after each update."""
+        self.optimizer = optimizer
 
     def hold_anchor(self, params: dict[str, torch.Tensor]) -> None:
         """θ₀ ← a host copy of the weights `params` hold now, once per run (the weights its seed chain starts from),
         when the decay is on."""
         if self.anchor_decay and self.anchor is None:
             self.anchor = {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
+
+    def after_update(self, params: dict[str, torch.Tensor], learning_rates: list[float] | None = None):
+        """What follows a space's update of `params`: the optimizer's step (at `learning_rates`, one per param
+        group; default its current ones), then the anchored decay. Returns the learning rates the optimizer used
+        (for the seed chain; None without an optimizer)."""
+        if self.optimizer is not None:
+            learning_rates = learning_rates or [group["lr"] for group in self.optimizer.param_groups]
+            step_optimizer(self.optimizer, params, learning_rates)
+        if self.anchor_decay:
+            anchor_pull(params, self.anchor, self.anchor_decay)
+        return learning_rates if self.optimizer is not None else None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of the rule beyond the config: θ₀ of the anchored decay (empty without it)."""
+        return dict(self.anchor or {})
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if self.anchor_decay:
+            self.anchor = dict(state)
 
 
 class SearchSpace:
@@ -148,8 +185,8 @@ class SearchSpace:
     """The `es_search_space` value that selects this space, and the `kind` of its seed chains."""
     backend: ClassVar[type] = WeightsBackend
     """The weights-backend protocol this space needs (`trl_es.es.weights`)."""
-    rule: UpdateRule = UpdateRule()
-    """The update rule `tell` applies (`build` sets the run's)."""
+    rule: UpdateRule
+    """The update rule `ask` and `tell` apply (`build` gives the space the run's)."""
 
     @classmethod
     def build(cls, args, model: torch.nn.Module, weights, load_model: Callable, zero_stage: int | None) -> SearchSpace:
@@ -180,13 +217,13 @@ class SearchSpace:
         raise NotImplementedError
 
     def ask(self, step: int) -> list:
-        """The step's members, in order, formed at σ_t (spaces without σ refuse a schedule: ESConfig's check)."""
-        if self.rule.sigma_decay != 1:
-            self.sigma = self.rule.sigma_at(step)
-        return self._ask(step)
+        """The step's members, in order, formed at σ_t (`UpdateRule.sigma_at`; spaces without σ refuse a schedule:
+        ESConfig's check)."""
+        return self._ask(step, self.rule.sigma_at(step))
 
-    def _ask(self, step: int) -> list:
-        """The step's members, in order; each is a value only this space reads."""
+    def _ask(self, step: int, sigma: float) -> list:
+        """The step's members at noise scale `sigma`, in order; each is a value only this space reads (a
+        `Direction` carries its σ)."""
         raise NotImplementedError
 
     def members_per_call(self, n_local: int) -> int:
@@ -207,18 +244,14 @@ class SearchSpace:
         any, steps, and the anchored decay, if on, pulls θ toward θ₀ (`anchor_pull`). Returns the step's metrics
         (`es/skipped_update` among them) and the update's seed-chain record (`trl_es.chains.StepRecord["update"]`,
         "learning_rates" added when an optimizer applied it)."""
-        baseline = center if center is not None and not math.isnan(center) else 0.0
-        fitness = shape_fitness(rewards - baseline, self.rule.shaping)
+        fitness = self.rule.fitness(rewards, center)
         if fitness is None:
             self.weights.restore()
             return {"es/update_norm": 0.0, "es/skipped_update": 1.0}, None
         metrics, record = self._tell(members, rewards, fitness, learning_rate)
-        if self.rule.optimizer is not None:  # the optimizer applies the gradient estimate `_tell` wrote
-            rates = [group["lr"] for group in self.rule.optimizer.param_groups]
-            step_optimizer(self.rule.optimizer, self.weights.params, rates)
-            record = {**record, "learning_rates": rates}
-        if self.rule.anchor_decay:
-            anchor_pull(self.weights.params, self.rule.anchor, self.rule.anchor_decay)
+        learning_rates = self.rule.after_update(self.weights.params)
+        if learning_rates is not None:  # the optimizer applied the gradient estimate `_tell` wrote
+            record = {**record, "learning_rates": learning_rates}
         return {**metrics, "es/skipped_update": 0.0}, record
 
     def _tell(

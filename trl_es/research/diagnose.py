@@ -134,7 +134,7 @@ def measure(
     keys = ("common",) + (("plus", "minus") if "independent" in couplings else ())
     values = {(o, c, s): [] for o in objectives for c in couplings for s in sigmas}
     probe.weights.start()  # vLLM: receive θ, as a training step's first act
-    sigma, start = getattr(space, "sigma", None), probe.weights.fingerprint()
+    start = probe.weights.fingerprint()
     probe.weights.capture()
     try:
         for d, batch in enumerate(tqdm(rows, desc="trl-es diagnose: directions", leave=False)):
@@ -147,10 +147,10 @@ def measure(
                     center["logprob"] = mean_logprobs(probe, [at_theta["common"]])[0]
             direction = diagnose_direction_seed(seed, d)
             for s in sigmas:
-                space.sigma, member = s, {}
+                member = {}
                 for sign, key in ((1, "plus"), (-1, "minus")):
                     own = ["common" if coupling == "common" else key for coupling in couplings]
-                    with space.evaluating([Direction(direction, sign)]) as route:
+                    with space.evaluating([Direction(direction, sign, sigma=s)]) as route:
                         if "reward" in objectives:
                             generated = rollouts(probe, batch, [seeds[k] for k in own], route, d)
                             for coupling, completions in zip(couplings, generated, strict=True):
@@ -165,8 +165,6 @@ def measure(
                         values[objective, coupling, s].append(x)
     finally:
         probe.weights.restore()
-        if sigma is not None:
-            space.sigma = sigma
     if probe.weights.fingerprint() != start:
         raise RuntimeError("the diagnostic did not restore θ bitwise: its weights backend lost the captured copy")
     return {key: torch.tensor(x, dtype=torch.float64) for key, x in values.items()}

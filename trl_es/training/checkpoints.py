@@ -146,7 +146,7 @@ class SavingMixin:
                 f"{checkpoint}: {ANCHOR_FILE} is not the weights this run started from (its {CHAIN_FILE} names "
                 "another base): resume from a checkpoint of one run, whose files belong together"
             )
-        self.space.rule.anchor = anchor
+        self.space.rule.load_state_dict(anchor)
 
     _staging_checkpoint = False
 
@@ -185,10 +185,11 @@ class SavingMixin:
             tip = self.chain_recorder.tip(staging)
         if self.args.should_save:
             self.space.save_state(staging)
-            if self.space.rule.anchor is not None:
+            rule_state = self.space.rule.state_dict()
+            if rule_state:
                 from safetensors.torch import save_file
 
-                save_file(self.space.rule.anchor, os.path.join(staging, ANCHOR_FILE))
+                save_file(rule_state, os.path.join(staging, ANCHOR_FILE))
             self.chain_recorder.save(staging, tip)
         self.accelerator.wait_for_everyone()  # every process's files (e.g. its RNG state) are in
         if self.args.should_save:

@@ -19,7 +19,6 @@ from trl.trainer.grpo_config import GRPOConfig
 from ..es import SEARCH_SPACES
 from ..es.fitness import SHAPINGS
 from ..es.noise import CHUNK, MAX_TABLE_SIZE
-from ..es.space import sigma_schedule
 from .grpo_fields import check_grpo_only_fields, grpo_only_fields_class
 
 
@@ -663,10 +662,6 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         if schedule == GRPOConfig.__dataclass_fields__["lr_scheduler_type"].default:
             del values["lr_scheduler_type"]
         return cls(**{**values, **changes})
-
-    def sigma_at(self, step: int) -> float:
-        """σ_t = max(σ·sigma_decay^t, sigma_limit): the noise scale of step `step`'s members (0-based)."""
-        return sigma_schedule(self.sigma, self.sigma_decay, self.sigma_limit, step)
 
     def _refuse(self, name: str, why: str):
         raise ValueError(f"ESConfig.{name}={getattr(self, name)!r} is invalid: {why}")

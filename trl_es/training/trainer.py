@@ -207,7 +207,7 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
             self.lr_scheduler, self._created_lr_scheduler = None, False
         self.create_optimizer()
         if self.args.es_optimizer:  # the update rule steps it on the gradient estimate (`SearchSpace.tell`)
-            self.space.rule.optimizer = self.optimizer
+            self.space.rule.use_optimizer(self.optimizer)
         self.create_scheduler(num_training_steps=max_steps, optimizer=self.optimizer)
         self.model_wrapped = self.processes.prepare(self.model, self.model_wrapped)
         if resume_from_checkpoint is not None:
