@@ -36,7 +36,6 @@ from ..es.weights import weights_hash
 from ..research import sparse
 from ..util.atomic import atomic_directory, atomic_write_text, publish_directory
 from .config import marked
-from .reporting import window_means
 
 
 STAGING = ".staging"
@@ -160,7 +159,7 @@ class SavingMixin:
         then published by the main process in one rename; older checkpoints are rotated only after that."""
         # The steps since the last log reach the checkpoint's trainer state as a record of their own, while the run
         # keeps them for its next log (GRPOTrainer's records: the last window folds into the final summary).
-        pending = {**window_means(self._metrics), "step": self.state.global_step} if self._metrics else None
+        pending = {**self.step_log.pending(), "step": self.state.global_step} if self.step_log.window else None
         if pending:
             self.state.log_history.append(pending)
         try:

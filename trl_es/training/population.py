@@ -197,24 +197,6 @@ def _mean_std(total: float, count: float, squares: float) -> tuple[float, float]
     return mean, math.sqrt(max(squares - total * total / count, 0.0) / (count - 1))
 
 
-class DistanceFromStart:
-    """‖θ − θ₀‖/‖θ₀‖ (`es/rel_distance_from_start`), θ₀ the weights when it was made, over every k-th element of θ:
-    k keeps about `sample` elements (exact for smaller models)."""
-
-    def __init__(self, params: dict[str, torch.Tensor], sample: int = 1 << 20):
-        self.params = params
-        self.stride = max(1, sum(p.numel() for p in params.values()) // sample)
-        self.start = [p.detach().view(-1)[:: self.stride].to("cpu", torch.float32, copy=True) for p in params.values()]
-
-    def __call__(self) -> float:
-        diff = norm = 0.0
-        for p, start in zip(self.params.values(), self.start, strict=True):
-            now = p.detach().view(-1)[:: self.stride].float().cpu()
-            diff += float((now - start).square().sum())
-            norm += float(start.square().sum())
-        return (diff / norm) ** 0.5 if norm else 0.0
-
-
 class Population:
     """This process's share of a step's population: each slot (None: the unperturbed centre θ; else a member of the
     search space) is formed by `space`, generates through `rollout` (in calls of the space's `members_per_call`
@@ -249,12 +231,10 @@ class Population:
     def layout(self, n_prompts: int) -> SummaryLayout:
         return SummaryLayout(len(self.reward_functions.names), n_prompts)
 
-    def rewards(self, summaries: torch.Tensor, n_members: int, n_prompts: int) -> tuple[torch.Tensor, float | None]:
-        """The members' rewards R_i (the last `n_members` rows, aggregated as `multi_objective_aggregation` says)
-        and the centre's reward (its row first, when it was evaluated; else None)."""
-        layout, weights = self.layout(n_prompts), self.reward_functions.reward_weights
-        members = layout.member_rewards(summaries[-n_members:], weights, self.args.multi_objective_aggregation)
-        return members, summaries[0, layout.reward].item() if len(summaries) > n_members else None
+    @staticmethod
+    def slot_count(args) -> int:
+        """Evaluations per step: the members, and the unperturbed centre θ with `es_baseline="center"`."""
+        return args.population_size + (args.es_baseline == "center")
 
     def metrics(self, members: torch.Tensor, n_prompts: int, tools: bool) -> dict[str, float]:
         """The step's metrics of the members' rows (`SummaryLayout.metrics`), with the logs ESConfig asks for."""
@@ -262,10 +242,24 @@ class Population:
         entropy, diversity = args.log_completion_entropy, args.log_population_diversity
         return self.layout(n_prompts).metrics(members, self.reward_functions.names, entropy, diversity, tools)
 
-    def evaluate(self, rows: list[dict], step: int, slots: list, times: dict, **context) -> torch.Tensor:
-        """Every slot's summary row (all processes', after the step's one all-reduce); this process evaluates its
-        own slots. `context` goes to the reward functions (`trainer_state`, `log_metric`); `times` gains the
-        seconds spent forming members ("noise"), generating and scoring."""
+    def evaluate(
+        self, rows: list[dict], step: int, members: list, times: dict, **context
+    ) -> tuple[torch.Tensor, torch.Tensor, float | None]:
+        """The step's slots — the centre θ first with `es_baseline="center"`, then `members` — evaluated, this
+        process its own share, every process's summaries summed by the step's one all-reduce. Returns the members'
+        summary rows, their rewards R_i (aggregated as `multi_objective_aggregation` says) and the centre's reward
+        (None without the centre). `context` goes to the reward functions (`trainer_state`, `log_metric`); `times`
+        gains the seconds spent forming members ("noise"), generating, scoring and exchanging."""
+        slots = [None] * (self.args.es_baseline == "center") + members
+        summaries = self._evaluate_slots(rows, step, slots, times, **context)
+        layout, weights = self.layout(len(rows)), self.reward_functions.reward_weights
+        member_rows = summaries[len(slots) - len(members) :]
+        rewards = layout.member_rewards(member_rows, weights, self.args.multi_objective_aggregation)
+        center = summaries[0, layout.reward].item() if len(slots) > len(members) else None
+        return member_rows, rewards, center
+
+    def _evaluate_slots(self, rows: list[dict], step: int, slots: list, times: dict, **context) -> torch.Tensor:
+        """Every slot's summary row (None: the centre), all processes', after the step's one all-reduce."""
         n, args = self.args.num_generations, self.args
         summaries = torch.zeros(len(slots), self.layout(len(rows)).width, dtype=torch.float64)
         first_member, error, prompt_tokens = sum(slot is None for slot in slots), None, None

@@ -1,19 +1,17 @@
 """What ESTrainer reports: the training metrics of each logging window, and evaluations.
 
-A mixin of `ESTrainer`. Every step appends its metrics (`_log_step`, from `trl_es.training.population`'s
-summaries) to `self._metrics`; `log` — called by Trainer every `logging_steps`, at the end of training, and by
-`ESTrainer` before each checkpoint — logs their means over the window, NaN values left out (a metric with none left
-logs None), as GRPOTrainer does, so no step's metrics are lost. `evaluate` runs the evaluation loop `trl-es eval`
+A mixin of `ESTrainer`. Each step's metrics (`_step_metrics`, from `trl_es.training.population`'s summaries) go
+to the run's `StepLog` (`trl_es.training.steplog`); `log` — called by Trainer every `logging_steps`, at the end of
+training, and by `ESTrainer` before each checkpoint — logs their means over the window, NaN values left out (a
+metric with none left logs None), as GRPOTrainer does, so no step's metrics are lost. `evaluate` runs the evaluation loop `trl-es eval`
 runs (`trl_es.evaluation.evaluate_batch`), on one eval dataset or on each of a dict of them (`eval_<name>_*`).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
-import warnings
 
 import pandas as pd
 import torch
@@ -26,15 +24,6 @@ from ..evaluation import evaluate_batch, summarize_records
 from ..tasks import get_task
 
 
-def window_means(metrics: dict[str, list[float]]) -> dict[str, float | None]:
-    """Each metric's mean over the logging window, NaN values left out (None when nothing is left)."""
-    means = {}
-    for key, values in metrics.items():
-        kept = [value for value in values if not math.isnan(value)]
-        means[key] = sum(kept) / len(kept) if kept else None
-    return means
-
-
 class ReportingMixin:
     """The step's metrics, `log` and `evaluate` of `ESTrainer` (see the module docstring)."""
 
@@ -44,18 +33,17 @@ class ReportingMixin:
         (`ESTrainer._training_loss`): −(mean population reward) over the run."""
         logs = {k: v for k, v in logs.items() if k not in ("loss", "grad_norm")}
         if "train_loss" in logs:
-            logs["train_loss"] = self._training_loss()
-        completions = bool(self._metrics and self.args.log_completions and self.population.last_completions)
-        if self._metrics:
-            logs.update(window_means(self._metrics))
-            self._metrics.clear()
+            logs["train_loss"] = self.step_log.training_loss
+        stepped = bool(self.step_log.window)
+        completions = stepped and self.args.log_completions and self.population.last_completions
+        logs.update(self.step_log.flush())
         super().log(logs, start_time)
         # After the step's metrics, as GRPOTrainer does: trackers file the table under the `train/global_step`
         # logged last, which is then this step's
         if completions and self.accelerator.is_main_process:
             self._log_completions()
 
-    def _log_step(self, members: torch.Tensor, n_prompts: int, center, outcome: dict, times: dict) -> None:
+    def _step_metrics(self, members: torch.Tensor, n_prompts: int, center, outcome: dict, times: dict) -> dict:
         """The step's metrics, from the members' all-reduced summaries: the same whatever the number of processes.
         `num_tokens` counts, as GRPOTrainer's, the prompt and completion tokens seen so far, here by every member
         (a prompt's tokens once per completion; an agent episode's first prompt, as its environment reset it)."""
@@ -64,21 +52,10 @@ class ReportingMixin:
             members, n_prompts, tools
         )
         self.state.num_input_tokens_seen += self.population.layout(n_prompts).tokens(members)
-        step |= {"num_tokens": self.state.num_input_tokens_seen, "step_time": times["step"]}
-        step |= {**outcome, "es/rel_distance_from_start": self._distance()}
-        step |= {f"es/time/{name}": times[name] for name in ("generate", "reward", "noise", "update", "communication")}
-        for name, value in step.items():
-            self._metrics[name].append(value)
-
-    def _warn_skipped_steps(self) -> None:
-        """One warning at the end of `train` for its steps whose rewards had no spread (`es/skipped_update`)."""
-        if self._skipped_steps:
-            warnings.warn(
-                f"{self._skipped_steps} ES step(s) of this run left the weights unchanged: the population rewards "
-                "had no spread (all equal, or all None), so they carried no signal (es/skipped_update = 1 in "
-                "their log records)",
-                stacklevel=3,  # the caller of `train`
-            )
+        step |= {"num_tokens": self.state.num_input_tokens_seen, "step_time": times["step"], **outcome}
+        return step | {
+            f"es/time/{name}": times[name] for name in ("generate", "reward", "noise", "update", "communication")
+        }
 
     def _log_completions(self) -> None:
         """The first member's prompts, completions and rewards of the latest step, as GRPOTrainer logs its own:

@@ -7,10 +7,8 @@ update) → record the seed chain → log. Trainer's optimizer only carries α_t
 
 from __future__ import annotations
 
-import math
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Callable
 
 import torch
@@ -40,8 +38,9 @@ from .loading import (
     prepare_model,
     training_dataset,
 )
-from .population import DistanceFromStart, Population
+from .population import Population
 from .reporting import ReportingMixin
+from .steplog import StepLog
 
 
 check_trainer_hooks()
@@ -151,8 +150,7 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         self.is_deepspeed_enabled = False
         check_setup(args, self.model, zero_stage, self.accelerator.num_processes)
-        n_slots = args.population_size + (args.es_baseline == "center")
-        self.processes = Processes(self.accelerator, zero_stage, args.ddp_timeout, n_slots)
+        self.processes = Processes(self.accelerator, zero_stage, args.ddp_timeout, Population.slot_count(args))
         if self.processes.fsdp_launch():  # FSDP's processes run unwrapped too, θ whole on each (docs/scaling.md)
             self.is_fsdp_enabled = False
             if not is_quantized_model(self.model):
@@ -173,9 +171,12 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
             args, self.space, self.rollout, self.reward_functions, self.processes, self.generation.tokenize
         )
         self.chain_recorder = ChainRecorder(args, self.es_params, self.space, model_source, peft_config is not None)
-        self._distance = None  # ‖θ − θ₀‖/‖θ₀‖, θ₀ taken at the first step of `train`
-        self._metrics = defaultdict(list)
-        self._skipped_steps = 0  # steps whose rewards had no spread, warned about once at the end of `train`
+        # The run's state, all of it: what the steps record (metrics, skipped steps, loss, distance from the start),
+        # the prompts of the micro-batches an accumulating step has gathered so far, and the placeholder parameter
+        # that carries α_t's schedule when no optimizer steps on ĝ (`create_optimizer`).
+        self.step_log = StepLog(self.es_params)
+        self._pending_rows: list[dict] = []
+        self._lr_holder: torch.nn.Parameter | None = None
 
     chain = property(lambda self: self.chain_recorder.chain, doc="The run's seed chain (`trl_es.chains.Chain`).")
 
@@ -223,84 +224,69 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
     def floating_point_ops(self, inputs) -> int:
         return 0  # no forward/backward FLOPs in Trainer's sense
 
-    _pending_rows = ()  # the prompts of the accumulation's micro-batches so far (`training_step`)
-    _loss_sum, _loss_steps = 0.0, 0  # Σ of the losses of this `train` call's steps that had a reward, and their count
-
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         """Trainer's micro-batch. The `gradient_accumulation_steps` micro-batches of an update (fewer at an epoch's
         end) make one ES step on all their prompts, taken at the last of them, when Trainer steps its optimizer.
         Returns the step's loss, −`reward` (its mean population reward; NaN when no completion got one), and 0 for
         the micro-batches before the last."""
-        self._pending_rows = [*self._pending_rows, *inputs]
+        self._pending_rows += inputs
         if not self.accelerator.sync_gradients:
             return torch.zeros((), device=self.args.device)
-        rows, self._pending_rows = self._pending_rows, ()
+        rows, self._pending_rows = self._pending_rows, []
         learning_rate = (
             self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else self.args.learning_rate
         )
-        self._es_step(rows, self.state.global_step, learning_rate)
-        loss = -self._metrics["reward"][-1]
-        if not math.isnan(loss):
-            self._loss_sum, self._loss_steps = self._loss_sum + loss, self._loss_steps + 1
+        loss = self._es_step(rows, self.state.global_step, learning_rate)
         return torch.tensor(loss, device=self.args.device)
-
-    def _training_loss(self) -> float:
-        """`train_loss` (the final log record, `TrainOutput.training_loss`): the loss ES minimises, −(mean population
-        reward), averaged over the steps of this `train` call that had a reward (NaN when none had)."""
-        return self._loss_sum / self._loss_steps if self._loss_steps else math.nan
 
     def train(self, *args, **kwargs):
         try:
             self.lock_output_dir()
-            self._skipped_steps = 0
-            self._pending_rows, self._loss_sum, self._loss_steps = (), 0.0, 0
+            self.step_log.start_run()
+            self._pending_rows = []
             self.accelerator.print(self.population.cost(), file=sys.stderr, flush=True)  # on the main process
             output = super().train(*args, **kwargs)
             if self.state.global_step == 0:
                 raise ValueError("no ES step ran: the training dataset gave no prompts (is it empty?)")
-            self._warn_skipped_steps()
-            output.metrics["train_loss"] = self._training_loss()  # Trainer's own averages training_step's returns
+            self.step_log.warn_skipped()
+            output.metrics["train_loss"] = self.step_log.training_loss  # Trainer's own averages the step losses
             return output._replace(training_loss=output.metrics["train_loss"])
         finally:
             self.weights.release()  # the copy of θ and the noise table, rebuilt from the seed when needed
-            self._distance = None
             self.unlock_output_dir()
 
     # ---- The ES step ------------------------------------------------------------------------------------------
 
-    def _es_step(self, rows: list[dict], step: int, learning_rate: float) -> None:
+    def _es_step(self, rows: list[dict], step: int, learning_rate: float) -> float:
         """One ES step: ask → evaluate this process's slots → all-reduce → tell (the update rule) → record → log.
+        Returns the step's loss, −(mean population reward).
 
         On any exception, KeyboardInterrupt included, θ is restored bitwise. A failure on one process is reported to
         all at the all-reduce, so every process restores θ and raises instead of waiting for the others.
         """
-        args, step_start = self.args, time.perf_counter()
+        step_start = time.perf_counter()
         with self._full_parameters():
             self.weights.start()
             self.chain_recorder.start(self.model, self.optimizer)  # a new run's chain, from the weights held now
             self.space.rule.hold_anchor(self.es_params)  # θ₀ of the anchored decay: the chain's base
-            if self._distance is None:
-                self._distance = DistanceFromStart(self.es_params)
+            self.step_log.begin_step()
             members = self.space.ask(step)
-            slots = [None] * (args.es_baseline == "center") + members  # the centre θ first, then the members
             timer = time.perf_counter()
             self.weights.capture()
             times = {"noise": time.perf_counter() - timer}  # the copy of θ counts with the perturbations
             try:
-                log_metric = lambda name, value: self._metrics[name].append(value)  # noqa: E731
-                summaries = self.population.evaluate(
-                    rows, step, slots, times, trainer_state=self.state, log_metric=log_metric
+                summaries, rewards, center = self.population.evaluate(
+                    rows, step, members, times, trainer_state=self.state, log_metric=self.step_log.add
                 )
                 timer = time.perf_counter()
-                rewards, center = self.population.rewards(summaries, len(members), len(rows))
                 outcome, record = self.space.tell(members, rewards, learning_rate, center)
                 self.chain_recorder.record(step, record)
                 times["update"] = time.perf_counter() - timer
             except BaseException:
                 self.weights.restore()
                 raise
-            self._skipped_steps += int(outcome["es/skipped_update"])  # `train` warns once at its end
             times["step"] = time.perf_counter() - step_start
             outcome["es/sigma"] = self.space.rule.sigma_at(step)
-            self._log_step(summaries[-len(members) :], len(rows), center, outcome, times)
+            loss = self.step_log.record(self._step_metrics(summaries, len(rows), center, outcome, times))
             self.processes.write_shards(self.es_params.values())
+        return loss
