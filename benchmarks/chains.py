@@ -72,8 +72,8 @@ def main() -> None:
 
     from trl_es import ESConfig, ESTrainer, load_chain
     from trl_es.chains import load_base, replay
-    from trl_es.research.sparse import write_model_delta
     from trl_es.tasks import first_integer_reward, small_sums
+    from trl_es.util.deltas import write_model_delta
     from trl_es.util.models import smollm2_dir
 
     base, work = smollm2_dir(), tempfile.mkdtemp(prefix="chains-bench-")

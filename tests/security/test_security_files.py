@@ -176,7 +176,7 @@ def delta_pair(tmp_path):
     """A base (two tensors) and a valid delta of a tuned version: a.weight by indices, b.bias by mask."""
     from safetensors.torch import load_file
 
-    from trl_es.research.sparse import save_delta
+    from trl_es.util.deltas import save_delta
 
     base = {"a.weight": torch.zeros(64, 4), "b.bias": torch.zeros(16)}
     tuned = {"a.weight": base["a.weight"].clone(), "b.bias": torch.arange(16.0)}
@@ -222,7 +222,7 @@ TAMPERINGS = {
 
 @pytest.mark.parametrize("tampering", TAMPERINGS)
 def test_a_tampered_delta_is_refused_before_anything_is_applied(delta_pair, tampering):
-    from trl_es.research.sparse import apply_delta
+    from trl_es.util.deltas import apply_delta
 
     base, path = delta_pair
     edit, message = TAMPERINGS[tampering]

@@ -11,22 +11,18 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "trl_es"
 
-LAYERS = [
-    ("es", "the ES algorithm on plain tensors: torch only"),
-    ("util", "private TRL/transformers names, atomic saves, loading models"),
-    ("rewards", "the reward contract (RewardFunctions), the code sandbox"),
-    ("tasks", "built-in datasets and their rewards"),
-    ("generation", "generation backends (transformers, vLLM) and their weights backends"),
-    ("rollout", "how completions are produced: plain, agent episodes, rollout functions"),
-    ("chains", "seed chains: format, recording, replay"),
-    ("research", "the research's analyses: update sparsity, cosines, KL drift; the fitness-signal diagnostic"),
-    ("evaluation", "Pass@K, Maj@K, entropy: the evaluation loop, tables and plots"),
-    ("training", "ESConfig and ESTrainer, the population, processes, logging, checkpoints"),
-    ("__init__", "the package's face: ESConfig, ESTrainer, load_chain, __version__"),
-    ("commands", "the trl-es subcommands"),
-    ("cli", "the trl-es command: dispatches to the subcommands"),
-]
-"""From the bottom up: a module may import its own package's modules and those of any layer below it, never above."""
+DESIGN = PACKAGE.parent / "docs" / "design.md"
+
+
+def read_layers() -> list[tuple[str, str]]:
+    """The layers, bottom up, with what each owns: the rows of the table under "## Layers" in docs/design.md, the
+    rule's one statement. A module may import its own package's modules and those of any layer below it."""
+    section = DESIGN.read_text(encoding="utf-8").split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split("|")[1:3] for line in section.splitlines() if line.startswith("| `")]
+    return [(cell.strip().strip("`").removesuffix("/").removesuffix(".py"), owns.strip()) for cell, owns in rows]
+
+
+LAYERS = read_layers()
 
 
 def module_name(path: Path) -> str:

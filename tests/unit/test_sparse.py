@@ -7,7 +7,7 @@ import tempfile
 import pytest
 import torch
 
-from trl_es.research.sparse import (
+from trl_es.util.deltas import (
     apply_delta,
     check_same_architecture,
     load_delta,
@@ -224,3 +224,17 @@ def test_sparsity_sweep_scores_thresholded_models_and_plots(tmp_path, tiny_model
     assert json.loads((out / "sweep.json").read_text())["rows"] == rows
     assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert os.listdir(private) == [] and set(os.listdir(out)) == {"sweep.json", "sweep.png"}  # nothing left behind
+
+
+def test_the_old_module_path_keeps_working_with_a_deprecation_warning():
+    """trl_es.research.sparse moved to trl_es.util.deltas (save_model writes deltas with it): the old import still
+    gives the same functions, for one release, and says where they went."""
+    import importlib
+    import sys
+
+    from trl_es.util import deltas
+
+    sys.modules.pop("trl_es.research.sparse", None)
+    with pytest.warns(DeprecationWarning, match="moved to trl_es.util.deltas"):
+        old = importlib.import_module("trl_es.research.sparse")
+    assert old.save_delta is deltas.save_delta and old.update_statistics is deltas.update_statistics

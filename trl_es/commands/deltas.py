@@ -1,5 +1,5 @@
 """`trl-es sparsify` and `trl-es apply-delta`: an update's statistics and its sparse delta, and the thresholded model
-rebuilt from the base and the delta (`trl_es.research.sparse`)."""
+rebuilt from the base and the delta (`trl_es.util.deltas`)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def load_weights(path: str):
 
 
 def sparsify(argv: list[str]) -> None:
-    from ..research.sparse import save_delta, threshold_masks, update_statistics
+    from ..util.deltas import save_delta, threshold_masks, update_statistics
 
     parser = command_parser("trl-es sparsify", "Update statistics and a sparse delta.")
     parser.add_argument("--base", required=True, help="the model training started from")
@@ -55,8 +55,8 @@ def sparsify(argv: list[str]) -> None:
 def apply_delta_command(argv: list[str]) -> None:
     import torch
 
-    from ..research.sparse import apply_delta
     from ..util.atomic import atomic_directory
+    from ..util.deltas import apply_delta
 
     parser = command_parser("trl-es apply-delta", "Rebuild the thresholded model.")
     parser.add_argument("--base", required=True, help="the model the delta was taken from")

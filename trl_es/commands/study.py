@@ -11,7 +11,7 @@ calibrated settings (N=8, σ=5e-3, α=5e-3, 8 prompts per step, greedy members, 
 in all. Then the base and every result are evaluated on the task's held-out problems with the research's sampling
 (`trl_es.evaluation`, through vLLM with `--use-vllm`: temperature 0.6, `--temperature` to change it; Pass@K and
 Maj@K for the research's K = 1, 16, 32 up to `--n`; mean token entropy) and every update is measured against the base
-(`trl_es.research.sparse.update_statistics`: relative L2 and s_τ; `trl_es.research.analysis`: the cosine between the ES and GRPO
+(`trl_es.util.deltas.update_statistics`: relative L2 and s_τ; `trl_es.research.analysis`: the cosine between the ES and GRPO
 updates, KL drift on a fixed off-task text sample). With `--heldout gpqa,mbpp,…` the base and every result are also
 evaluated on those tasks (the same sampling; `--max-completion-length` if given, else each task's; DIR/heldout/):
 the held-out change table, each result's Pass@K and Maj@K minus the base's in points averaged over the held-out
@@ -200,7 +200,7 @@ def measure_updates(base_path: str, paths: dict[str, str]) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..research.analysis import mean_token_kl, update_cosine
-    from ..research.sparse import update_statistics
+    from ..util.deltas import update_statistics
 
     def load(path):
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

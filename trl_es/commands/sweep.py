@@ -4,7 +4,7 @@
         [--out-dir outputs/sweep]
 
 For each τ (keep |Δ| > τ) and each top fraction, the thresholded model θ_base + mask·Δ is scored, next to the base
-and the tuned model, and its `trl_es.research.sparse` delta is written to measure its size. The score is Pass@1 with greedy
+and the tuned model, and its `trl_es.util.deltas` delta is written to measure its size. The score is Pass@1 with greedy
 decoding on the built-in small-sums held-out problems (the demo's task); other tasks and Pass@K come with the
 evaluation API. Writes `sweep.json` and `sweep.png` (score against the share of entries kept).
 """
@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 from ..evaluation.report import pyplot
-from ..research.sparse import save_delta, threshold_masks, thresholded
 from ..util.atomic import atomic_write_text
+from ..util.deltas import save_delta, threshold_masks, thresholded
 from .parser import command_parser
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from .sparse import check_same_architecture, weight_delta
+from ..util.deltas import check_same_architecture, weight_delta
 
 
 def update_cosine(

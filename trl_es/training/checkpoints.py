@@ -33,7 +33,7 @@ from ..chains import FILE as CHAIN_FILE
 from ..chains import Chain
 from ..chains.recorder import ChainRecorder
 from ..es.weights import weights_hash
-from ..research import sparse
+from ..util import deltas
 from ..util.atomic import atomic_directory, atomic_write_text, publish_directory
 from .config import marked
 
@@ -213,12 +213,12 @@ class SavingMixin:
                     self.chain_recorder.save(staging, self.chain_recorder.tip(staging))
                     self._sparse_delta_card = None
                     if self.args.sparse_delta_tau is not None:
-                        self._sparse_delta_card = sparse.write_model_delta(
+                        self._sparse_delta_card = deltas.write_model_delta(
                             self.model, staging, self.args.sparse_delta_tau
                         )
                     if self._sparse_delta_card is None:  # an earlier save's delta would not rebuild this model
                         with contextlib.suppress(FileNotFoundError):
-                            os.remove(os.path.join(output_dir, sparse.DELTA_FILE))
+                            os.remove(os.path.join(output_dir, deltas.DELTA_FILE))
         if not _internal_call and os.path.abspath(output_dir) == os.path.abspath(self.args.output_dir):
             self.create_model_card()
         if self.args.push_to_hub and not _internal_call:
@@ -246,7 +246,7 @@ class SavingMixin:
             "prompts per step": args.per_device_train_batch_size * args.gradient_accumulation_steps,
             "steps": self.state.global_step,
             "reward functions": ", ".join(self.reward_functions.names),
-            **(getattr(self, "_sparse_delta_card", None) or {}),
+            **(self._sparse_delta_card or {}),
         }
         cell = lambda value: str(value).replace("|", "\\|").replace("\n", " ")  # noqa: E731 - one cell: `(q|v)_proj`
         rows = "\n".join(f"| {k} | `{cell(v)}` |" for k, v in settings.items())

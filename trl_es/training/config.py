@@ -266,7 +266,7 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             "group": SAVING,
             "help": "When set, `save_model` also writes `sparse_delta.safetensors`: the entries whose update from the "
             "starting weights (reloaded from the model path) exceeds this magnitude, which `trl-es apply-delta` "
-            "turns back into the thresholded model, and the update's statistics in the model card (trl_es.research.sparse).",
+            "turns back into the thresholded model, and the update's statistics in the model card (trl_es.util.deltas).",
         },
     )
 

@@ -172,11 +172,12 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         )
         self.chain_recorder = ChainRecorder(args, self.es_params, self.space, model_source, peft_config is not None)
         # The run's state, all of it: what the steps record (metrics, skipped steps, loss, distance from the start),
-        # the prompts of the micro-batches an accumulating step has gathered so far, and the placeholder parameter
-        # that carries α_t's schedule when no optimizer steps on ĝ (`create_optimizer`).
+        # the prompts of the micro-batches an accumulating step has gathered so far, the placeholder parameter that
+        # carries α_t's schedule when no optimizer steps on ĝ (`create_optimizer`), and the model card's delta.
         self.step_log = StepLog(self.es_params)
         self._pending_rows: list[dict] = []
         self._lr_holder: torch.nn.Parameter | None = None
+        self._sparse_delta_card: dict | None = None  # the statistics of the delta `save_model` wrote last, if any
 
     chain = property(lambda self: self.chain_recorder.chain, doc="The run's seed chain (`trl_es.chains.Chain`).")
 
