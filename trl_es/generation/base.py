@@ -18,6 +18,17 @@ def compute_dtype(args) -> torch.dtype | None:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
 
 
+def check_prompts(prompts: list, hint: str = "") -> None:
+    """A ValueError naming the first prompt of the step that is None or empty (text of whitespace only, no messages):
+    every row needs a prompt, text or a list of chat messages; `hint` says what else the caller accepts."""
+    for k, prompt in enumerate(prompts):
+        if prompt is None or not (prompt.strip() if isinstance(prompt, str) else prompt):
+            raise ValueError(
+                f"prompt {k} of this step is {'None' if prompt is None else 'empty'} ({prompt!r}): every row needs a "
+                f"prompt, text or a list of chat messages{hint}"
+            )
+
+
 @dataclass
 class Completions:
     """Completions for `prompts` repeated `num_generations` times each (prompt-major order). Agent episodes
@@ -75,12 +86,7 @@ class Generation:
         """Token ids of each prompt; a ValueError names an empty or missing prompt, and a prompt that leaves no room
         for the completion within the model's context warns (once)."""
         prompts = list(prompts)
-        for k, prompt in enumerate(prompts):
-            if prompt is None or not (prompt.strip() if isinstance(prompt, str) else prompt):
-                raise ValueError(
-                    f"prompt {k} of this step is {'None' if prompt is None else 'empty'} ({prompt!r}): every row needs "
-                    "a prompt, text or a list of chat messages"
-                )
+        check_prompts(prompts)
         if is_conversational({"prompt": prompts[0]}):
             ids = self.tokenizer.apply_chat_template(
                 conversation=prompts,

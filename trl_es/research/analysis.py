@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from ..util.deltas import check_same_architecture, weight_delta
+from ..util.models import with_pad_token
 
 
 def update_cosine(
@@ -60,9 +61,7 @@ def linear_path(
 
 def _logits(model, tokenizer, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Next-token logits (float32), their targets and the mask of real (non-padding) targets."""
-    if tokenizer.pad_token is None:  # padded positions are masked out: any id pads (transformers < 5.19's SmolLM2)
-        tokenizer.pad_token = tokenizer.eos_token
-    batch = tokenizer(texts, return_tensors="pt", padding=True).to(model.device)
+    batch = with_pad_token(tokenizer)(texts, return_tensors="pt", padding=True).to(model.device)
     logits = model(**batch).logits[:, :-1].float()
     return logits, batch["input_ids"][:, 1:], batch["attention_mask"][:, 1:].bool()
 

@@ -36,6 +36,8 @@ from trl.trainer.utils import (
     start_event_loop_in_daemon,
 )
 
+from ..util.models import with_pad_token
+
 
 RewardFunc = str | PreTrainedModel | Callable[..., list[float | None]]
 
@@ -84,8 +86,7 @@ def _reward_tokenizers(funcs: list, classes, trust_remote_code: bool) -> list:
                 classes[i] = AutoTokenizer.from_pretrained(
                     get_config_model_id(func.config), trust_remote_code=trust_remote_code
                 )
-            if classes[i].pad_token_id is None:
-                classes[i].pad_token = classes[i].eos_token
+            with_pad_token(classes[i])
             func.config.get_text_config().pad_token_id = classes[i].pad_token_id
             func.eval()
     return classes

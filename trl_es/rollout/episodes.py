@@ -49,7 +49,8 @@ from trl.trainer.utils import is_async_callable, shutdown_event_loop_in_daemon, 
 
 from ..es.seeds import environment_check_seed, environment_reward_seed, environment_seed, tool_seed, turn_seed
 from ..generation import Completions
-from ..util.compat import parse_response, tool_suffix_ids
+from ..generation.base import check_prompts
+from ..util.compat import parse_response, parses_responses, tool_suffix_ids
 from .environments import (
     CHECK_ROUNDS,
     attribute_pictures,
@@ -128,15 +129,9 @@ class Agents:
         if self.tools:
             if not supports_tool_calling(tokenizer):
                 raise ValueError(f"the tokenizer's chat template cannot call tools: {TOOL_TEMPLATE_HINT}")
-            if (
-                getattr(tokenizer, "response_template", None) is None
-                and getattr(tokenizer, "response_schema", None) is None
-            ):
+            if not parses_responses(tokenizer):
                 add_response_schema(tokenizer)
-        # GRPOTrainer parses completions only where the tokenizer has a response schema; else they are text
-        self.parses = any(
-            getattr(tokenizer, name, None) is not None for name in ("response_template", "response_schema")
-        )
+        self.parses = parses_responses(tokenizer)  # as GRPOTrainer: else completions are text
         self.chat_template = None
         if self.tools and not is_chat_template_prefix_preserving(tokenizer):
             self.chat_template = get_training_chat_template(tokenizer)
@@ -262,13 +257,8 @@ class Agents:
                     f"a row has environment={name!r}, which is not among the environments passed to "
                     f"environment_factory; expected one of {list(self.factories)}"
                 )
-        for k, row in enumerate(rows):
-            if "prompt" in row and not row["prompt"]:
-                raise ValueError(
-                    f"prompt {k} of this step is {'None' if row['prompt'] is None else 'empty'} ({row['prompt']!r}): "
-                    "every row needs a prompt, a list of chat messages (or, with an environment_factory, no 'prompt' "
-                    "column: reset then fills an empty user message)"
-                )
+        hint = " (or, with an environment_factory, no 'prompt' column: reset then fills an empty user message)"
+        check_prompts([row["prompt"] for row in rows if "prompt" in row], hint)
         if key is None or key != self.step:  # a new step: every instance is free again
             self.step, self.handed = key, dict.fromkeys(self.pool, 0)
         for k, name in enumerate(names if self.environments else ()):

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from trl.data_utils import is_conversational
 
 from ..generation import Completions
-from ..util.compat import parse_response
+from ..util.compat import parse_response, parses_responses
 
 
 ROLLOUT_KEYS = ("prompt_ids", "completion_ids", "logprobs")
@@ -67,7 +67,7 @@ class RolloutFunction:
         message, parsed (tool calls included) when the tokenizer has a response schema."""
         if not is_conversational({"prompt": prompts[0]}):
             return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        if any(getattr(self.tokenizer, name, None) is not None for name in ("response_template", "response_schema")):
+        if parses_responses(self.tokenizer):
             return [
                 [parse_response(self.tokenizer, row, prefix=list(prefix))]
                 for row, prefix in zip(ids, prompt_ids, strict=True)

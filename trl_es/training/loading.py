@@ -25,6 +25,7 @@ from ..util.models import (
     load_tokenizer,
     quantization_name,
     resolve_model,
+    with_pad_token,
 )
 from .config import ESConfig
 
@@ -198,9 +199,7 @@ def check_tokenizer(tokenizer, model) -> PreTrainedTokenizerBase:
             f"the tokenizer has {len(tokenizer)} tokens but the model's embedding only {rows} rows: they do not "
             "belong together"
         )
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return with_pad_token(tokenizer)
 
 
 def check_prompt_dataset(dataset, name: str = "train_dataset") -> None:

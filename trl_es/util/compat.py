@@ -92,6 +92,12 @@ def parse_response(tokenizer, ids: list[int], prefix: list[int] | None = None, t
     return trl_parse_response(tokenizer, ids, prefix=prefix)
 
 
+def parses_responses(tokenizer) -> bool:
+    """Whether TRL parses completions with this tokenizer (`parse_response`): it has a response template or a
+    response schema, as GRPOTrainer checks; its completions are plain text otherwise."""
+    return any(getattr(tokenizer, name, None) is not None for name in ("response_template", "response_schema"))
+
+
 def tool_suffix_ids(tokenizer, chat_template: str | None, chat_template_kwargs: dict | None, messages: list[dict]):
     """The token ids that follow an assistant turn's end for the tool results `messages` (GRPOTrainer's)."""
     from types import SimpleNamespace

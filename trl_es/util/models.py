@@ -228,6 +228,14 @@ def eos_token_ids(model, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return ids if tokenizer.eos_token_id in ids else [tokenizer.eos_token_id, *ids]
 
 
+def with_pad_token(tokenizer):
+    """`tokenizer`, given its EOS as pad token when it has none (as GRPOTrainer does); padded positions are masked
+    out wherever trl-es pads, so any id pads."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def add_adapter(model, peft_config, seed: int):
     """A new adapter, as in GRPOTrainer: ES then perturbs its weights only. Its initial weights are drawn from a seed
     derived from the run's, so a seed chain can rebuild them."""
