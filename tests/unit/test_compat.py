@@ -10,6 +10,19 @@ def test_the_trainer_hooks_estrainer_relies_on_are_there():
     check_trainer_hooks()  # the installed transformers
 
 
+def test_the_private_attributes_estrainer_uses_are_the_installed_trainers():
+    """Every private attribute in the register is one the installed TRL or transformers still defines or sets."""
+    import inspect
+
+    from transformers import Trainer, TrainingArguments
+
+    from trl_es.util.compat import TRAINER_ATTRIBUTES
+
+    sources = "".join(inspect.getsource(cls) for cls in (Trainer, TrainingArguments, BaseTrainer))
+    for name in TRAINER_ATTRIBUTES:
+        assert f"self.{name} =" in sources or f"{name} =" in sources, name
+
+
 def test_a_transformers_without_a_hook_is_an_error_naming_the_supported_range():
     from transformers import Trainer
 

@@ -31,6 +31,7 @@ from trl_es import ESConfig
         ("noise_table_size", 1000),
         ("weight_decay", -0.1),
         ("gradient_accumulation_steps", 0),
+        ("vllm_model_impl", "tensorrt"),
     ],
 )
 def test_bad_values_raise_naming_the_field(tmp_path, field, value):
@@ -84,6 +85,7 @@ def test_every_es_field_is_documented_once_under_a_parameter_group():
     own = set(ESConfig.__annotations__)
     grouped = [name for title in GROUPS for name in marked("group", title)]
     assert sorted(grouped) == sorted(own)
+    assert list(ESConfig.__annotations__) == grouped  # declared group by group, in the docstring's order
     for name in own:
         assert f"        {name} (`" in ESConfig.__doc__
 

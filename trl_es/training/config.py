@@ -24,6 +24,7 @@ from .grpo_fields import check_grpo_only_fields, grpo_only_fields_class
 
 BASELINES = ("none", "center")
 VLLM_MODES = ("colocate", "server")
+VLLM_IMPLEMENTATIONS = ("vllm", "transformers")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
@@ -78,8 +79,9 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
     across them and every process reads the same prompts, so the step's prompts stay the same whatever the number of
     processes (docs/scaling.md).
 
-    Fields of [`~transformers.TrainingArguments`] that only make sense with gradients are ignored with a warning
-    (`max_grad_norm`, `optim`, `gradient_checkpointing`).
+    Fields of [`~transformers.TrainingArguments`] that only make sense with gradients are ignored: `max_grad_norm` and
+    `optim` with a warning for a value that is neither TrainingArguments' nor GRPOConfig's default,
+    `gradient_checkpointing` without one (its only other value, True, is GRPOConfig's default).
 
     Every field ESConfig shares with GRPOConfig defaults to the installed GRPOConfig's value, except
     `DEFAULTS_UNLIKE_GRPO` (each with its reason; docs/migrating_from_grpo.md).
@@ -93,7 +95,7 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         "chat_template_kwargs",
     ]
 
-    # ES
+    # Parameters that control the ES step
     population_size: int = field(
         default=30,
         metadata={
@@ -234,6 +236,16 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             "variance of R_i − R_j). False gives each member its own sampling seed.",
         },
     )
+    noise_table_size: int = field(
+        default=1 << 24,
+        metadata={
+            "group": STEP,
+            "help": "Number of float32 N(0,1) values in the shared noise table (Salimans et al. 2017) from which "
+            f"every member's noise is cut, in windows of {CHUNK} elements. 2**24 costs 64 MiB.",
+        },
+    )
+
+    # Parameters that control what a member perturbs (the search space)
     es_parameter_patterns: list[str] | None = field(
         default=None,
         metadata={
@@ -241,14 +253,6 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             "card": True,
             "help": "Regular expressions (re.search) over parameter names: only matching trainable parameters are "
             "perturbed and updated. Default: every trainable parameter.",
-        },
-    )
-    noise_table_size: int = field(
-        default=1 << 24,
-        metadata={
-            "group": STEP,
-            "help": "Number of float32 N(0,1) values in the shared noise table (Salimans et al. 2017) from which "
-            f"every member's noise is cut, in windows of {CHUNK} elements. 2**24 costs 64 MiB.",
         },
     )
     es_adapter_only: bool = field(
@@ -260,17 +264,6 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             "and every parameter is trained.",
         },
     )
-    sparse_delta_tau: float | None = field(
-        default=None,
-        metadata={
-            "group": SAVING,
-            "help": "When set, `save_model` also writes `sparse_delta.safetensors`: the entries whose update from the "
-            "starting weights (reloaded from the model path) exceeds this magnitude, which `trl-es apply-delta` "
-            "turns back into the thresholded model, and the update's statistics in the model card (trl_es.util.deltas).",
-        },
-    )
-
-    # Search space
     es_search_space: str = field(
         default="full",
         metadata={
@@ -295,7 +288,6 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             "type: q_proj, up_proj, norms, …) or 'random' (seeded).",
         },
     )
-
     lowrank_rank: int = field(
         default=1, metadata={"group": SPACE, "help": "Low-rank ES: the rank r of each member's noise."}
     )
@@ -308,7 +300,6 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             "engine's LoRA adapter slots (default population_size + 1).",
         },
     )
-
     merge_models: list[str] | None = field(
         default=None,
         metadata={
@@ -326,7 +317,92 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
     )
     merge_sigma: float = field(default=0.2, metadata={"group": SPACE, "help": "Hyper-ES: CMA-ES's initial step size."})
 
-    # Generation with vLLM (GRPOConfig's fields, same meaning)
+    # Parameters that control the model
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=grpo_default("model_init_kwargs"),
+        metadata={
+            "group": MODEL,
+            "help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained`, used when `model` is a string "
+            "(also for reward models given as ids).",
+        },
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "group": MODEL,
+            "help": "Compute the members in bfloat16, as GRPOConfig's bf16: generation under autocast on the "
+            "transformers path, a bfloat16 vLLM engine into which each member is written as the bfloat16 cast of θ + "
+            "σ·ε. θ and its updates stay float32 (the ES parameters of a bfloat16 or float16 model are upcast: 4 bytes "
+            "each), so updates below bfloat16's resolution add up. `fp16=True` does the same in float16. None: True "
+            "on an accelerator with bfloat16 unless fp16 is set (GRPOConfig's default); False on CPU, where GRPOConfig's "
+            "True is an error without use_cpu=True (bf16=True with use_cpu=True computes in bfloat16 on CPU).",
+        },
+    )
+    trust_remote_code: bool = field(
+        default=grpo_default("trust_remote_code"),
+        metadata={
+            "group": MODEL,
+            "help": "Allow loading models and tokenizers that ship their own Python code (the policy, reward models); "
+            "as in GRPOConfig.",
+        },
+    )
+
+    # Parameters that control generation
+    num_generations: int = field(
+        default=1,
+        metadata={
+            "group": GENERATION,
+            "chain": True,
+            "card": True,
+            "help": "Completions sampled per prompt for each member. R_i averages over all of them.",
+        },
+    )
+    max_completion_length: int = field(
+        default=grpo_default("max_completion_length"),
+        metadata={"group": GENERATION, "help": "Maximum number of tokens generated per completion."},
+    )
+    temperature: float = field(
+        default=grpo_default("temperature"),
+        metadata={
+            "group": GENERATION,
+            "decoding": True,
+            "help": "Sampling temperature (greedy: generation_kwargs={'do_sample': False}).",
+        },
+    )
+    top_p: float = field(
+        default=grpo_default("top_p"),
+        metadata={"group": GENERATION, "decoding": True, "help": "Nucleus sampling: cumulative probability kept."},
+    )
+    top_k: int = field(
+        default=grpo_default("top_k"),
+        metadata={"group": GENERATION, "decoding": True, "help": "Keep only the k most likely tokens; 0 disables it."},
+    )
+    min_p: float | None = field(
+        default=grpo_default("min_p"),
+        metadata={"group": GENERATION, "decoding": True, "help": "Minimum token probability, scaled by the top one."},
+    )
+    repetition_penalty: float = field(
+        default=grpo_default("repetition_penalty"),
+        metadata={"group": GENERATION, "decoding": True, "help": "Penalty for repeated tokens; 1.0 is none."},
+    )
+    generation_kwargs: dict[str, Any] | str | None = field(
+        default=grpo_default("generation_kwargs"),
+        metadata={"group": GENERATION, "help": "Extra `GenerationConfig` arguments; they override the fields above."},
+    )
+    chat_template_kwargs: dict[str, Any] | str | None = field(
+        default=grpo_default("chat_template_kwargs"),
+        metadata={"group": GENERATION, "help": "Extra arguments for `apply_chat_template` on conversational prompts."},
+    )
+    cache_implementation: str | None = field(
+        default=grpo_default("cache_implementation"),
+        metadata={
+            "group": GENERATION,
+            "decoding": True,
+            "help": "The KV-cache implementation `generate` uses (transformers' names).",
+        },
+    )
+
+    # Parameters that control generation with vLLM
     use_vllm: bool = field(
         default=grpo_default("use_vllm"),
         metadata={
@@ -347,7 +423,11 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
     )
     vllm_model_impl: str = field(
         default=grpo_default("vllm_model_impl"),
-        metadata={"group": VLLM, "help": "Model implementation in vLLM: 'vllm' or 'transformers'."},
+        metadata={
+            "group": VLLM,
+            "help": "Model implementation in vLLM: 'vllm' or 'transformers'.",
+            "choices": list(VLLM_IMPLEMENTATIONS),
+        },
     )
     vllm_enable_sleep_mode: bool = field(
         default=grpo_default("vllm_enable_sleep_mode"),
@@ -405,94 +485,7 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         },
     )
 
-    # Model
-    model_init_kwargs: dict[str, Any] | str | None = field(
-        default=grpo_default("model_init_kwargs"),
-        metadata={
-            "group": MODEL,
-            "help": "Keyword arguments for `AutoModelForCausalLM.from_pretrained`, used when `model` is a string "
-            "(also for reward models given as ids).",
-        },
-    )
-
-    bf16: bool | None = field(
-        default=None,
-        metadata={
-            "group": MODEL,
-            "help": "Compute the members in bfloat16, as GRPOConfig's bf16: generation under autocast on the "
-            "transformers path, a bfloat16 vLLM engine into which each member is written as the bfloat16 cast of θ + "
-            "σ·ε. θ and its updates stay float32 (the ES parameters of a bfloat16 or float16 model are upcast: 4 bytes "
-            "each), so updates below bfloat16's resolution add up. `fp16=True` does the same in float16. None: True "
-            "on an accelerator with bfloat16 unless fp16 is set (GRPOConfig's default); False on CPU, where GRPOConfig's "
-            "True is an error without use_cpu=True (bf16=True with use_cpu=True computes in bfloat16 on CPU).",
-        },
-    )
-    trust_remote_code: bool = field(
-        default=grpo_default("trust_remote_code"),
-        metadata={
-            "group": MODEL,
-            "help": "Allow loading models and tokenizers that ship their own Python code (the policy, reward models); "
-            "as in GRPOConfig.",
-        },
-    )
-
-    # Generation
-    num_generations: int = field(
-        default=1,
-        metadata={
-            "group": GENERATION,
-            "chain": True,
-            "card": True,
-            "help": "Completions sampled per prompt for each member. R_i averages over all of them.",
-        },
-    )
-    max_completion_length: int = field(
-        default=grpo_default("max_completion_length"),
-        metadata={"group": GENERATION, "help": "Maximum number of tokens generated per completion."},
-    )
-    temperature: float = field(
-        default=grpo_default("temperature"),
-        metadata={
-            "group": GENERATION,
-            "decoding": True,
-            "help": "Sampling temperature (greedy: generation_kwargs={'do_sample': False}).",
-        },
-    )
-    top_p: float = field(
-        default=grpo_default("top_p"),
-        metadata={"group": GENERATION, "decoding": True, "help": "Nucleus sampling: cumulative probability kept."},
-    )
-    top_k: int = field(
-        default=grpo_default("top_k"),
-        metadata={"group": GENERATION, "decoding": True, "help": "Keep only the k most likely tokens; 0 disables it."},
-    )
-    min_p: float | None = field(
-        default=grpo_default("min_p"),
-        metadata={"group": GENERATION, "decoding": True, "help": "Minimum token probability, scaled by the top one."},
-    )
-    repetition_penalty: float = field(
-        default=grpo_default("repetition_penalty"),
-        metadata={"group": GENERATION, "decoding": True, "help": "Penalty for repeated tokens; 1.0 is none."},
-    )
-    generation_kwargs: dict[str, Any] | str | None = field(
-        default=grpo_default("generation_kwargs"),
-        metadata={"group": GENERATION, "help": "Extra `GenerationConfig` arguments; they override the fields above."},
-    )
-    chat_template_kwargs: dict[str, Any] | str | None = field(
-        default=grpo_default("chat_template_kwargs"),
-        metadata={"group": GENERATION, "help": "Extra arguments for `apply_chat_template` on conversational prompts."},
-    )
-
-    cache_implementation: str | None = field(
-        default=grpo_default("cache_implementation"),
-        metadata={
-            "group": GENERATION,
-            "decoding": True,
-            "help": "The KV-cache implementation `generate` uses (transformers' names).",
-        },
-    )
-
-    # Data and rewards
+    # Parameters that control the data and the rewards
     shuffle_dataset: bool = field(
         default=grpo_default("shuffle_dataset"),
         metadata={
@@ -528,7 +521,7 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         },
     )
 
-    # Logging
+    # Parameters that control logging and evaluation
     log_completions: bool = field(
         default=grpo_default("log_completions"),
         metadata={
@@ -544,8 +537,6 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         default=grpo_default("log_unique_prompts"),
         metadata={"group": LOGGING, "help": "In that table, show each prompt once (its first completion)."},
     )
-
-    # Evaluation and diagnostics
     num_generations_eval: int | None = field(
         default=grpo_default("num_generations_eval"),
         metadata={
@@ -592,7 +583,7 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         },
     )
 
-    # Agents
+    # Parameters that control agent episodes (tools, environments)
     max_tool_calling_iterations: int | None = field(
         default=grpo_default("max_tool_calling_iterations"),
         metadata={
@@ -612,7 +603,18 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         },
     )
 
-    # TrainingArguments defaults that differ for ES
+    # Parameters that control saving
+    sparse_delta_tau: float | None = field(
+        default=None,
+        metadata={
+            "group": SAVING,
+            "help": "When set, `save_model` also writes `sparse_delta.safetensors`: the entries whose update from the "
+            "starting weights (reloaded from the model path) exceeds this magnitude, which `trl-es apply-delta` "
+            "turns back into the thresholded model, and the update's statistics in the model card (trl_es.util.deltas).",
+        },
+    )
+
+    # TrainingArguments fields whose default differs for ES
     lr_scheduler_type: str = field(
         default="constant",
         metadata={"group": DEFAULTS, "chain": True, "help": "Schedule of α; ES commonly keeps it constant."},
@@ -638,8 +640,7 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             self.bf16 = not self.fp16 and not self.use_cpu and is_torch_bf16_gpu_available()
         self._check_es_step()
         self._check_search_space()
-        if self.use_vllm:
-            self._check_vllm()
+        self._check_vllm()
         self._check_generation_and_evaluation()
         self._check_gradient_fields()
         ignored = check_grpo_only_fields(self, GRPO_ONLY_FIELDS)
@@ -715,6 +716,10 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         refuse = self._refuse
         if self.vllm_mode not in VLLM_MODES:
             refuse("vllm_mode", f"choose one of {VLLM_MODES}")
+        if self.vllm_model_impl not in VLLM_IMPLEMENTATIONS:
+            refuse("vllm_model_impl", f"choose one of {VLLM_IMPLEMENTATIONS}")
+        if not self.use_vllm:
+            return
         if self.vllm_enable_sleep_mode:
             refuse(
                 "vllm_enable_sleep_mode",

@@ -27,6 +27,11 @@ test suite runs on both ends of it (tests/unit/test_compat.py, .ci/matrix).
 - `TRAINER_HOOKS`: the Trainer methods ESTrainer overrides or calls, which transformers may rename in any release.
   `check_trainer_hooks()` verifies them (names and parameters) when ESTrainer is imported, so an unsupported
   transformers fails at once with the supported range instead of training wrongly.
+- `TRAINER_ATTRIBUTES`: the private attributes of transformers' Trainer and TrainingArguments and of TRL's base
+  trainer that ESTrainer reads or sets (`_signature_columns`, `_train_batch_size`, `_created_lr_scheduler`,
+  `_tag_names`, `TrainingArguments._VALID_DICT_FIELDS`), checked against the installed sources by
+  tests/unit/test_compat.py. Outside TRL and transformers: argparse's `ArgumentParser._actions` (the `trl-es es`
+  parser's options), and vLLM's internals listed in docs/vllm.md.
 
 Optional packages come with the extras of pyproject.toml; `import_extra` imports one or names the extra to install.
 """
@@ -58,6 +63,16 @@ TRAINER_HOOKS = {
     "create_scheduler": ("num_training_steps", "optimizer"),
 }
 """Trainer methods ESTrainer overrides or calls, with the parameters it passes (transformers 5.16.1–5.24.0)."""
+
+TRAINER_ATTRIBUTES = {
+    "_signature_columns": "transformers.Trainer: the dataset columns the model takes (ES: the prompt)",
+    "_train_batch_size": "transformers.Trainer: the per-process batch size its dataloader uses",
+    "_created_lr_scheduler": "transformers.Trainer: whether it built the scheduler (rebuilt per `train` call)",
+    "_tag_names": "TRL's base trainer: the model card's tags",
+    "_VALID_DICT_FIELDS": "transformers.TrainingArguments: the fields a JSON string may give as a dict",
+}
+"""The private attributes of TRL's and transformers' trainers and arguments ESTrainer reads or sets, and what they
+are (checked against the installed sources: tests/unit/test_compat.py)."""
 
 
 def check_trainer_hooks(trainer_class: type = Trainer) -> None:
