@@ -80,6 +80,17 @@ def _shutdown(engine_core, keep_process_group: bool) -> None:
         torch.distributed.destroy_process_group = destroy
 
 
+def _join_processes(accelerator) -> None:
+    """vLLM's environment for an engine in this process (the ES worker extension's calls pass tensors by
+    reference) whose external launcher joins the processes Accelerate started, as in TRL's colocate mode."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["RANK"] = str(accelerator.process_index)
+    os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)
+    os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+
+
 class Colocated:
     """An in-process `vllm.LLM` (TRL's colocate construction) with the ES worker extension; `lora`: its LoRA fields
     for low-rank or adapter members (`lora_settings`); `quantization`: vLLM's in-flight quantization of the weights
@@ -111,14 +122,7 @@ class Colocated:
             raise ValueError(
                 f"vllm_tensor_parallel_size ({tp}) must divide the number of processes ({accelerator.num_processes})"
             )
-        # In this process (the ES worker extension's calls pass tensors by reference); vLLM's external launcher joins
-        # the processes accelerate started, as in TRL's colocate mode.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ["RANK"] = str(accelerator.process_index)
-        os.environ["LOCAL_RANK"] = str(accelerator.local_process_index)
-        os.environ["WORLD_SIZE"] = str(accelerator.num_processes)
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        _join_processes(accelerator)
         keep_process_group = torch.distributed.is_initialized()  # accelerate's: it outlives this engine
         cpu = accelerator.device.type == "cpu"
         enforce_eager = cpu if args.vllm_enforce_eager is None else args.vllm_enforce_eager

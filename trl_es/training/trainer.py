@@ -145,22 +145,43 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
             optimizers=optimizers,
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
         )
-        # Under DeepSpeed, ESTrainer prepares the model itself (`_prepare_for_training`): Trainer's DeepSpeed paths
-        # build a training engine, save engine checkpoints and gather through it, none of which applies to ES.
+        zero_stage = self._set_up_processes()
+        self._set_up_es(processing_class, eos_ids, rollout_func, zero_stage)
+        self.chain_recorder = ChainRecorder(args, self.es_params, self.space, model_source, peft_config is not None)
+        # The run's state, all of it: what the steps record (metrics, skipped steps, loss, distance from the start),
+        # the prompts of the micro-batches an accumulating step has gathered so far, the placeholder parameter that
+        # carries α_t's schedule when no optimizer steps on ĝ (`create_optimizer`), and the model card's delta.
+        self.step_log = StepLog(self.es_params)
+        self._pending_rows: list[dict] = []
+        self._lr_holder: torch.nn.Parameter | None = None
+        self._sparse_delta_card: dict | None = None  # the statistics of the delta `save_model` wrote last, if any
+
+    def _set_up_processes(self) -> int | None:
+        """The run's processes (`Processes`), with Trainer's DeepSpeed and FSDP paths taken over; returns the ZeRO
+        stage (None without DeepSpeed). ESTrainer prepares the model itself (`_prepare_for_training`): Trainer's
+        DeepSpeed and FSDP paths build a training engine or wrapper, save engine checkpoints and gather through it,
+        none of which applies to ES. FSDP's processes run unwrapped, θ whole on each (docs/scaling.md)."""
+        args = self.args
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         self.is_deepspeed_enabled = False
         check_setup(args, self.model, zero_stage, self.accelerator.num_processes)
         self.processes = Processes(self.accelerator, zero_stage, args.ddp_timeout, Population.slot_count(args))
-        if self.processes.fsdp_launch():  # FSDP's processes run unwrapped too, θ whole on each (docs/scaling.md)
+        if self.processes.fsdp_launch():
             self.is_fsdp_enabled = False
             if not is_quantized_model(self.model):
                 self.processes.share_weights(self.model)
+        return zero_stage
+
+    def _set_up_es(self, tokenizer, eos_ids: list[int], rollout_func, zero_stage: int | None) -> None:
+        """What an ES step runs on: the ES parameters θ (float32 under mixed precision), the generation and weights
+        backends, the search space, the rollout and the population."""
+        args = self.args
         self.model.add_model_tags(self._tag_names)
         self.reward_functions.to(self.accelerator.device)
         self.es_params = select_parameters(self.model.named_parameters(), args.es_parameter_patterns)
         keep_theta_in_float32(self.es_params, args)
         self.generation, self.weights = make_backend(
-            self.model, processing_class, eos_ids, args, self.accelerator, self.es_params
+            self.model, tokenizer, eos_ids, args, self.accelerator, self.es_params
         )
         space = search_space(args.es_search_space)
         self.space = space.build(args, self.model, self.weights, load_starting_model, zero_stage)
@@ -170,14 +191,6 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         self.population = Population(
             args, self.space, self.rollout, self.reward_functions, self.processes, self.generation.tokenize
         )
-        self.chain_recorder = ChainRecorder(args, self.es_params, self.space, model_source, peft_config is not None)
-        # The run's state, all of it: what the steps record (metrics, skipped steps, loss, distance from the start),
-        # the prompts of the micro-batches an accumulating step has gathered so far, the placeholder parameter that
-        # carries α_t's schedule when no optimizer steps on ĝ (`create_optimizer`), and the model card's delta.
-        self.step_log = StepLog(self.es_params)
-        self._pending_rows: list[dict] = []
-        self._lr_holder: torch.nn.Parameter | None = None
-        self._sparse_delta_card: dict | None = None  # the statistics of the delta `save_model` wrote last, if any
 
     chain = property(lambda self: self.chain_recorder.chain, doc="The run's seed chain (`trl_es.chains.Chain`).")
 
