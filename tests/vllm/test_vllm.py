@@ -402,3 +402,21 @@ def test_eval_through_vllm_gives_the_transformers_records_and_repeats_sampled_ru
     assert sampled["model"] == sampled["model'"] and len(sampled["model"]) == 1
     settings = json.loads((tmp_path / "sampled" / "results.json").read_text())["settings"]["small_sums"]
     assert settings["backend"] == "vllm"  # recorded: a transformers run's records are not mixed in
+
+
+def test_a_mixture_of_experts_through_vllm_is_refused_before_an_engine_starts(tmp_path, tokenizer_dir, prompt_dataset):
+    """A Qwen3-MoE's experts are fused 3-D tensors in transformers and w13/w2 tensors in vLLM: until the worker maps
+    them, members would not reach vLLM's experts (the updates would), so use_vllm is refused, naming the tensor."""
+    pytest.importorskip("vllm")
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from trl_es import ESTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    moe = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)  # fmt: skip
+    with pytest.raises(ValueError, match=r"experts\.gate_up_proj', a mixture of experts' fused expert tensor"):
+        ESTrainer(Qwen3MoeForCausalLM(moe), lambda completions, **kw: [0.0] * len(completions),
+                  args=es_config(tmp_path, use_vllm=True), train_dataset=prompt_dataset,
+                  processing_class=tokenizer)  # fmt: skip

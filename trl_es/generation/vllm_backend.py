@@ -54,6 +54,13 @@ def start_engine(model, tokenizer, args, accelerator, params) -> Colocated | Ser
     """The run's engine: a running server, or an in-process one on the model's directory (the weights are replaced
     by the trainer's at `VLLMWeights.start`), with LoRA slots for low-rank members; for an adapter, on its base's
     directory with LoRA slots for the adapter's members."""
+    fused = [name for name, p in params.items() if p.dim() > 2]
+    if fused:
+        raise ValueError(
+            f"use_vllm=True with {fused[0]!r}, a mixture of experts' fused expert tensor: vLLM holds the experts under "
+            "other names and layouts (w13_weight, w2_weight), which the ES worker does not map yet, so members would "
+            "not reach them. Train with use_vllm=False"
+        )
     if args.vllm_mode == "server":
         return Server(args)
     if is_peft_model(model):
