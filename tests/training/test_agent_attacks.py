@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 from datasets import Dataset
-from helpers import CALL, agent_config, answer_digits, build_tiny_model, tool_tokenizer
+from helpers import CALL, Dice, agent_config, answer_digits, build_tiny_model, tool_tokenizer
 from transformers import AutoTokenizer
 
 from trl_es import ESTrainer
@@ -528,3 +528,22 @@ def test_an_async_timeout_cancels_the_task_whatever_timeout_error_futures_raise(
     scripted_ids(trainer, calling("hang"))
     assert "tool_call_timeout=0.2" in tool_messages(play(trainer, [ROW]))[0]
     assert cancelled.wait(5)
+
+
+def test_a_factory_that_runs_out_of_instances_names_why(tmp_path, tiny_model_dir):
+    """TRL's carla.py: each environment instance takes the next of a fixed list of server URLs in __init__. ES plays
+    every episode of a generate call on an instance of its own (and checks resets on two at start), so a short list
+    runs out: a bare StopIteration before, now an error saying what the factory must provide."""
+    from trl_es import ESTrainer
+
+    urls = iter(["http://server-0"])
+
+    class OneServer(Dice):
+        def __init__(self):
+            self.url = next(urls)
+
+    args = agent_config(tmp_path, population_size=2, sigma=0.5, learning_rate=0.5, per_device_train_batch_size=1,
+                        num_generations=1, max_steps=1)  # fmt: skip
+    with pytest.raises(RuntimeError, match="could not make instance 2 .*StopIteration.*an instance of its own"):
+        ESTrainer(tiny_model_dir, answer_digits, args=args, environment_factory=OneServer,
+                  processing_class=tool_tokenizer(tiny_model_dir))  # fmt: skip

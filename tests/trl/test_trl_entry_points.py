@@ -167,8 +167,6 @@ def gsm8k(split: str = "train") -> Dataset:
         return Dataset.from_list([json.loads(line) for line in file])
 
 
-@pytest.mark.xfail(strict=True, reason="silently different, being fixed: ESTrainer trains with plain `generate` when "
-                   "use_transformers_continuous_batching is set after the config is built, as this script does")  # fmt: skip
 def test_grpo_continuous_batching_script_is_refused_with_what_to_run_instead(tmp_path, model_dir):
     """examples/scripts/grpo_continuous_batching.py: it parses its GRPOConfig, then sets
     `use_transformers_continuous_batching = True` (and a continuous-batching config) on it before building the
@@ -538,8 +536,6 @@ class VLLMDevServer(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.mark.xfail(strict=True, reason="refused, but not clearly: a vLLM server without the ES worker extension "
-                   "fails at the first collective_rpc with vLLM's 500, which does not name trl-es vllm-serve")  # fmt: skip
 def test_a_trl_vllm_serve_server_is_refused_naming_trl_es_vllm_serve(tmp_path, tiny_model_dir, prompt_dataset):
     """GRPO trainer, vLLM integration and speeding-up pages: `trl vllm-serve --model <model>` then
     `GRPOConfig(use_vllm=True, vllm_mode="server")`. ES needs its own worker extension in the server."""
@@ -566,8 +562,6 @@ def test_a_trl_vllm_serve_server_is_refused_naming_trl_es_vllm_serve(tmp_path, t
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.xfail(strict=True, reason="silently different, being fixed: the config's mixed_precision bf16 has "
-                   "DeepSpeed partition θ in bfloat16 while bf16=False, the setting the bf16 + ZeRO-3 refusal names")  # fmt: skip
 def test_trl_zero3_config_as_shipped_keeps_theta_in_float32_or_is_refused(tmp_path, tiny_model_dir):
     """`trl grpo --accelerate_config zero3`, with TRL's zero3.yaml as it ships (mixed_precision: bf16) on 2 CPU
     processes, and bf16 off (ES's default on CPU; what the refusal of bf16 with ZeRO-3 asks for on GPU). Either the
@@ -587,15 +581,15 @@ def test_trl_zero3_config_as_shipped_keeps_theta_in_float32_or_is_refused(tmp_pa
               "--report_to", "none", "--use_cpu", "true"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPOSITORY / "tests"), "DS_ACCELERATOR": "cpu",
            "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(REPOSITORY / "build" / "torch_extensions"))}  # fmt: skip
-    one = subprocess.run([sys.executable, "-m", "trl_es.cli", *recipe, "--output_dir", "one"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert one.returncode == 0, one.stderr[-3000:]
     launch = ["--accelerate_config", str(tmp_path / "zero3.yaml"), "--main_process_port", str(free_port())]
     two = subprocess.run([sys.executable, "-m", "trl_es.cli", *recipe, "--output_dir", "two", *launch], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     if two.returncode != 0:
         assert "mixed_precision" in two.stderr, two.stderr[-3000:]
         return
+    one = subprocess.run([sys.executable, "-m", "trl_es.cli", *recipe, "--output_dir", "one"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert one.returncode == 0, one.stderr[-3000:]
     expected = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "one").named_parameters())
     for name, p in AutoModelForCausalLM.from_pretrained(tmp_path / "two").named_parameters():
         assert torch.equal(p, expected[name]), name

@@ -134,3 +134,13 @@ def test_every_field_shared_with_grpo_defaults_to_the_installed_grpo_configs_val
     assert different | {"bf16"} == set(DEFAULTS_UNLIKE_GRPO)
     assert ESConfig(str(tmp_path)).bf16 is False and GRPOConfig(str(tmp_path), use_cpu=True).bf16 is True
     assert ESConfig(str(tmp_path), bf16=True, use_cpu=True).bf16 is True
+
+
+def test_a_warmup_without_a_schedule_that_warms_up_warns(tmp_path):
+    """TRL's sudoku.py and browsergym examples set warmup_steps; ES's constant α (transformers' 'constant') ignores
+    it: a warning names the schedule that warms up, which runs without one."""
+    with pytest.warns(UserWarning, match="warmup_steps=10 has no effect.*constant_with_warmup"):
+        ESConfig(str(tmp_path), warmup_steps=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ESConfig(str(tmp_path), warmup_steps=10, lr_scheduler_type="constant_with_warmup")

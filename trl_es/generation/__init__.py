@@ -45,7 +45,7 @@ def make_backend(model, tokenizer, eos_token_ids, args, accelerator, params):
     local = LocalWeights(params, args.seed, args.noise_table_size, storage_device="cpu")
     if not args.use_vllm:
         return TransformersGeneration(
-            *generation_args, args.chat_template_kwargs, compute_dtype=compute_dtype(args)
+            *generation_args, args.chat_template_kwargs, compute_dtype=compute_dtype(accelerator.mixed_precision)
         ), local
     if args.vllm_mode == "colocate":  # a server runs vLLM in its own environment; the trainer only talks HTTP
         require_vllm()

@@ -12,10 +12,11 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 from trl.data_utils import is_conversational
 
 
-def compute_dtype(args) -> torch.dtype | None:
-    """The dtype members are computed in: bfloat16 or float16 with ESConfig's `bf16`/`fp16` (as GRPO's mixed
-    precision; autocast on the transformers path, vLLM's engine in it), else None (the weights' own)."""
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+def compute_dtype(mixed_precision: str) -> torch.dtype | None:
+    """The dtype members are computed in, from the run's mixed precision (`Accelerator.mixed_precision`: ESConfig's
+    `bf16`/`fp16`, or the accelerate config's `mixed_precision`, as GRPOTrainer's autocast follows): bfloat16 or
+    float16 (autocast on the transformers path, vLLM's engine in it), else None (the weights' own)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
 
 
 def check_prompts(prompts: list, hint: str = "") -> None:

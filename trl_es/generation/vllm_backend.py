@@ -70,11 +70,12 @@ def start_engine(model, tokenizer, args, accelerator, params) -> Colocated | Ser
                 "max_lora_rank": next(r for r in LORA_RANKS if r >= rank),
                 "lora_target_modules": sorted({module.rpartition(".")[2] for module, *_ in modules})}  # fmt: skip
         base = model.get_base_model()
-        dtype = compute_dtype(args) or next(p.dtype for n, p in model.named_parameters() if n not in params)
+        dtype = compute_dtype(accelerator.mixed_precision)
+        dtype = dtype or next(p.dtype for n, p in model.named_parameters() if n not in params)
         return Colocated(base_dir(base), args, accelerator, dtype, lora, quantization=vllm_quantization(base))
     lowrank = list(lowrank_targets(model, params)) if args.es_search_space == "lowrank" else None
     lora = None if lowrank is None else lora_settings(args, lowrank)
-    dtype = compute_dtype(args) or next(iter(params.values())).dtype  # bf16/fp16: θ stays float32 in the workers
+    dtype = compute_dtype(accelerator.mixed_precision) or next(iter(params.values())).dtype  # θ stays float32 there
     return Colocated(model_dir(model, tokenizer), args, accelerator, dtype, lora)
 
 

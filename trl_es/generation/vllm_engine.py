@@ -217,6 +217,13 @@ class Server:
             time.sleep(1)
         self.model = self._checked(self.session.get(f"{self.url}/v1/models", timeout=30), "/v1/models").json()
         self.model = self.model["data"][0]["id"]
+        try:
+            self.rpc("es_extension", {})
+        except RuntimeError as error:  # vLLM's server answers 500 for a worker method it does not have
+            raise ConnectionError(
+                f"the vLLM server at {self.url} runs without the ES worker extension (TRL's `trl vllm-serve` starts "
+                "vLLM's own server): start it with `trl-es vllm-serve --model <model>`, which adds it"
+            ) from error
 
     def _post(self, route: str, body: dict | None = None, **params):
         return self._checked(self.session.post(f"{self.url}{route}", json=body, params=params, timeout=None), route)

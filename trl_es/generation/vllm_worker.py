@@ -119,6 +119,10 @@ class ESWorkerExtension:
     """Methods that vLLM's worker gains, each taking its arguments as one JSON string (what vLLM's HTTP
     `/collective_rpc` passes). `es_init` first; then `es_perturb`, `es_restore`, `es_update`."""
 
+    def es_extension(self, payload: str) -> dict:
+        """{"extension": "trl-es"}: this vLLM runs the ES worker extension (a server started by `trl-es vllm-serve`)."""
+        return {"extension": "trl-es"}
+
     def es_init(self, payload: str, weights: list[tuple[str, torch.Tensor]] | None = None) -> dict:
         """Take θ, write it into vLLM and build the noise table. `payload`: {"seed", "noise_table_size", "dtype",
         "names", "path"} — the run's seed and table size (the trainer's), the dtype of the trainer's parameters, the

@@ -166,7 +166,7 @@ class Agents:
         self.checked.add(name)
         pool = self.pool[name]
         while len(pool) < 2:  # kept: a step plays more episodes than one, so training hands it out too
-            pool.append(self.factories[name]())
+            self._grow(name)
         resets = []  # (observation, attributes before, attributes after)
         for _ in range(CHECK_ROUNDS):
             for instance in pool[:2]:
@@ -223,9 +223,23 @@ class Agents:
         """An instance of environment `name` no episode of this step has had (constructed when the pool has none)."""
         pool, index = self.pool[name], self.handed[name]
         if index == len(pool):
-            pool.append(self.factories[name]())
+            self._grow(name)
         self.handed[name] = index + 1
         return pool[index]
+
+    def _grow(self, name) -> None:
+        """One more instance of environment `name` in its pool; a RuntimeError saying why when its factory has no
+        more to give (StopIteration: a factory handing out a fixed set, e.g. one server URL per instance)."""
+        try:
+            self.pool[name].append(self.factories[name]())
+        except StopIteration as error:
+            raise RuntimeError(
+                f"environment_factory{'' if name is None else f'[{name!r}]'} could not make instance "
+                f"{len(self.pool[name]) + 1} (StopIteration: it hands out a fixed set, and the set is spent): ES plays "
+                "each episode of a generate call on an instance of its own — members × prompts × num_generations of "
+                "the call — and checks resets on two. Give the factory that many (or lower population_size, "
+                "per_device_train_batch_size)"
+            ) from error
 
     def _retire(self, environment) -> None:
         """Never hand `environment` out again: a tool call that timed out may still write into it."""

@@ -782,6 +782,12 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             warn_caller("ESConfig.max_grad_norm is ignored: ES computes no gradients to clip.")
         self.max_grad_norm = 0.0
         self.gradient_checkpointing = False  # ES runs no backward pass
+        schedule = getattr(self.lr_scheduler_type, "value", self.lr_scheduler_type)  # a SchedulerType or its name
+        if schedule == "constant" and self.warmup_steps:
+            warn_caller(
+                f"ESConfig.warmup_steps={self.warmup_steps} has no effect with lr_scheduler_type='constant' (ES's "
+                "default; transformers' constant schedule has no warmup): use 'constant_with_warmup' to warm α up"
+            )
         optim = getattr(self.optim, "value", self.optim)  # an OptimizerNames member or its string
         if not self.es_optimizer and optim not in ("adamw_torch", "adamw_torch_fused"):
             warn_caller(

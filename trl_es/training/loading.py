@@ -27,7 +27,8 @@ from ..util.models import (
     resolve_model,
     with_pad_token,
 )
-from .config import ESConfig
+from .config import GRPO_ONLY_FIELDS, ESConfig
+from .grpo_fields import check_grpo_only_fields
 
 
 logger = logging.get_logger(__name__)
@@ -137,7 +138,7 @@ def check_optimizer_parameters(optimizer, params: dict) -> None:
         )
 
 
-def check_setup(args, model, zero_stage: int | None, num_processes: int) -> None:
+def check_setup(args, model, zero_stage: int | None, num_processes: int, mixed_precision: str = "no") -> None:
     """A ValueError for settings this run's set-up cannot honour, known once the model is loaded and the processes
     started (ESConfig refuses what its fields alone decide; each search space checks its own, `check_setup`)."""
     if is_peft_model(model) and args.use_vllm and args.vllm_mode == "server":
@@ -163,21 +164,23 @@ def check_setup(args, model, zero_stage: int | None, num_processes: int) -> None
             f"vllm_mode='server' with {num_processes} processes: a server holds one member's weights at a time, so "
             "one training process drives it. Use one process, or vllm_mode='colocate'."
         )
-    if (args.bf16 or args.fp16) and zero_stage == 3:
+    half = "bf16" if args.bf16 else "fp16" if args.fp16 else mixed_precision if mixed_precision != "no" else None
+    if half and zero_stage == 3:
         raise ValueError(
-            f"{'bf16' if args.bf16 else 'fp16'}=True with ZeRO-3: DeepSpeed would hold θ's partitions in half "
-            "precision, where ES updates below its rounding step are lost. Use ZeRO-2 (θ whole on each process, "
-            "members computed in half precision, θ float32), or bf16=False with ZeRO-3"
+            f"mixed precision ({half}: ESConfig's bf16/fp16 or the accelerate config's mixed_precision) with ZeRO-3: "
+            "DeepSpeed would hold θ's partitions in half precision, where ES updates below its rounding step are "
+            "lost. Use ZeRO-2 (θ whole on each process, members computed in half precision, θ float32), or ZeRO-3 "
+            "with bf16=False and mixed_precision: 'no'"
         )
     if args.es_optimizer and zero_stage == 3:
         raise ValueError("es_optimizer with ZeRO-3: the optimizer would step on partitioned θ; use ZeRO-2 or none")
 
 
-def keep_theta_in_float32(params: dict, args) -> None:
-    """With bf16/fp16 (members computed in half precision, as GRPO's mixed precision), θ and its updates stay
+def keep_theta_in_float32(params: dict, mixed_precision: str) -> None:
+    """With mixed precision ('bf16', 'fp16': members computed in half precision, as GRPO's), θ and its updates stay
     float32: the ES parameters of a half-precision model are upcast (4 bytes each instead of 2). Without, a
     half-precision θ is trained as it is, and a warning says that updates below its rounding step are lost."""
-    if args.bf16 or args.fp16:
+    if mixed_precision in ("bf16", "fp16"):
         upcast(params)
         return
     half = sorted({str(p.dtype).removeprefix("torch.") for p in params.values() if p.dtype in HALF_PRECISION})
@@ -260,6 +263,7 @@ def check_args(args, model) -> ESConfig:
         )
     if not isinstance(args, ESConfig):
         raise TypeError(f"`args` must be an ESConfig, got {type(args).__name__}")
+    check_grpo_only_fields(args, GRPO_ONLY_FIELDS)  # a refused field set after the config was built, as scripts do
     return args
 
 

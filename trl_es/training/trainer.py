@@ -164,7 +164,7 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         args = self.args
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         self.is_deepspeed_enabled = False
-        check_setup(args, self.model, zero_stage, self.accelerator.num_processes)
+        check_setup(args, self.model, zero_stage, self.accelerator.num_processes, self.accelerator.mixed_precision)
         self.processes = Processes(self.accelerator, zero_stage, args.ddp_timeout, Population.slot_count(args))
         if self.processes.fsdp_launch():
             self.is_fsdp_enabled = False
@@ -179,7 +179,7 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         self.model.add_model_tags(self._tag_names)
         self.reward_functions.to(self.accelerator.device)
         self.es_params = select_parameters(self.model.named_parameters(), args.es_parameter_patterns)
-        keep_theta_in_float32(self.es_params, args)
+        keep_theta_in_float32(self.es_params, self.accelerator.mixed_precision)
         self.generation, self.weights = make_backend(
             self.model, tokenizer, eos_ids, args, self.accelerator, self.es_params
         )
