@@ -24,3 +24,24 @@ def test_only_the_kernels_notice_of_bitsandbytes_is_silenced(caplog):
         logger.warning(KERNELS_NOTICE + ": %s. Please make sure you already `pip install kernels`", "No module named")
         logger.warning("another bitsandbytes warning")
     assert [record.getMessage() for record in caplog.records] == ["another bitsandbytes warning"]
+
+
+def test_a_built_wheel_carries_every_file_of_the_package(tmp_path):
+    """Until a release exists, trl-es installs from a clone or a wheel built from it: every file under trl_es/ (the
+    modules, the sandbox's launcher) must be in that wheel. Built from a copy, so the work tree gets no build/."""
+    import shutil
+    import zipfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, tmp_path / name)
+    shutil.copytree(root / "trl_es", tmp_path / "trl_es", ignore=shutil.ignore_patterns("__pycache__"))
+    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", ".", "-w", "dist"]
+    process = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert process.returncode == 0, process.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("trl_es-*.whl")
+    shipped = set(zipfile.ZipFile(wheel).namelist())
+    files = {path.relative_to(tmp_path).as_posix() for path in (tmp_path / "trl_es").rglob("*") if path.is_file()}
+    assert files and files <= shipped, sorted(files - shipped)
+    assert "trl_es/rewards/_sandbox_launcher.py" in shipped and not any(n.startswith("tests/") for n in shipped)
