@@ -45,3 +45,22 @@ def test_a_built_wheel_carries_every_file_of_the_package(tmp_path):
     files = {path.relative_to(tmp_path).as_posix() for path in (tmp_path / "trl_es").rglob("*") if path.is_file()}
     assert files and files <= shipped, sorted(files - shipped)
     assert "trl_es/rewards/_sandbox_launcher.py" in shipped and not any(n.startswith("tests/") for n in shipped)
+
+
+def test_the_demo_says_once_why_a_step_can_leave_the_weights_unchanged(capsys):
+    """Half the demo's steps printed "no spread: weights unchanged" (every member scored 0) with no word of why."""
+    from trl_es.commands.demo import PrintReward
+
+    printer = PrintReward()
+    logs = {"reward": 0.0, "es/population_reward_min": 0.0, "es/population_reward_max": 0.0, "es/time/generate": 9.0,
+            "es/time/noise": 0.1, "es/time/update": 0.1}  # fmt: skip
+    for step, skipped in enumerate((0, 1, 1), start=1):
+        state = type("State", (), {"global_step": step})
+        printer.on_log(None, state, None, logs={**logs, "es/skipped_update": skipped})
+    lines = capsys.readouterr().out.splitlines()
+    assert [line[:8] for line in lines] == ["step   1", "step   2", "  every ", "step   3"]
+    assert lines[1].endswith("(no spread: weights unchanged)") and lines[3].endswith("(no spread: weights unchanged)")
+    assert lines[2] == (
+        "  every member scored the same, so none ranks above another and ES leaves the weights as they were: early "
+        "on the model gets few sums right, so steps stay flat until a member answers a sum the others miss"
+    )

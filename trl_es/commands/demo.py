@@ -31,7 +31,18 @@ def held_out_accuracy(trainer, dataset) -> float:
     return sum(r >= 1.0 for r in rewards) / len(rewards)
 
 
+FLAT_STEPS = (
+    "  every member scored the same, so none ranks above another and ES leaves the weights as they were: early on "
+    "the model gets few sums right, so steps stay flat until a member answers a sum the others miss"
+)
+
+
 class PrintReward(TrainerCallback):
+    """One line per step (rewards, times); the first step without spread is followed by `FLAT_STEPS`, saying why."""
+
+    def __init__(self):
+        self.explained = False
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "reward" in logs:
             print(
@@ -42,6 +53,9 @@ class PrintReward(TrainerCallback):
                 f"{'  (no spread: weights unchanged)' if logs.get('es/skipped_update') else ''}",
                 flush=True,
             )
+            if logs.get("es/skipped_update") and not self.explained:
+                print(FLAT_STEPS, flush=True)
+                self.explained = True
 
 
 def main(argv=None):
