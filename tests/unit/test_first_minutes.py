@@ -4,6 +4,8 @@ import logging
 import subprocess
 import sys
 
+import pytest
+
 import trl_es  # noqa: F401  (its import installs the filter)
 
 
@@ -64,3 +66,15 @@ def test_the_demo_says_once_why_a_step_can_leave_the_weights_unchanged(capsys):
         "  every member scored the same, so none ranks above another and ES leaves the weights as they were: early "
         "on the model gets few sums right, so steps stay flat until a member answers a sum the others miss"
     )
+
+
+@pytest.mark.slow  # the real SmolLM2-135M-Instruct: one short ES step
+def test_the_demo_starts_with_what_it_measures(tmp_path):
+    """`make demo` opened with bitsandbytes' kernels-community line and DeepSpeed's "Setting accelerator to CPU" (DeepSpeed,
+    which `make demo` installs for the tests, is imported by accelerate in every Trainer; the demo never uses it)."""
+    command = [sys.executable, "-m", "trl_es.cli", "demo", "--steps", "1", "--population", "2", "--output-dir",
+               str(tmp_path / "demo")]  # fmt: skip
+    process = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert process.returncode == 0, process.stderr[-3000:]
+    assert process.stdout.startswith("held-out accuracy before ES: "), process.stdout[:1000]
+    assert KERNELS_NOTICE not in process.stderr and "Setting accelerator" not in process.stderr + process.stdout
