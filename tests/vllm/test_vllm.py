@@ -372,6 +372,7 @@ def test_eval_through_vllm_gives_the_transformers_records_and_repeats_sampled_ru
                        "--use-vllm")  # fmt: skip
     assert sampled["model"] == sampled["model'"] and len(sampled["model"]) == 1
     results = json.loads((tmp_path / "sampled" / "results.json").read_text())
-    assert results["settings"]["small_sums"]["backend"] == "vllm"  # recorded: a transformers run's are not mixed in
-    assert results["settings"]["small_sums"]["entropy"] is False  # nor records with token entropy
-    assert "mean_token_entropy" not in results["models"]["model"]["tasks"]["small_sums"]
+    assert "mean_token_entropy" not in results["models"]["model"]["tasks"]["small_sums"]  # no --vllm-entropy
+    assert results["settings"]["small_sums"]["entropy"] is False  # such records are not mixed with scored ones
+    settings = json.loads((tmp_path / "sampled" / "results.json").read_text())["settings"]["small_sums"]
+    assert settings["backend"] == "vllm"  # recorded: a transformers run's records are not mixed in

@@ -10,12 +10,13 @@ calibrated settings (N=8, σ=5e-3, α=5e-3, 8 prompts per step, greedy members, 
 `grpo-es` continues the `grpo` result with ES for another budget, `es-grpo` the `es` result with GRPO: two budgets
 in all. Then the base and every result are evaluated on the task's held-out problems with the research's sampling
 (`trl_es.evaluation`, through vLLM with `--use-vllm`: temperature 0.6, `--temperature` to change it; Pass@K and
-Maj@K for the research's K = 1, 16, 32 up to `--n`; mean token entropy, through vLLM only with `--vllm-entropy`)
-and every update is measured against the base (`trl_es.research.sparse.update_statistics`: relative L2 and s_τ; `trl_es.research.analysis`: the cosine between the ES and GRPO
+Maj@K for the research's K = 1, 16, 32 up to `--n`; mean token entropy) and every update is measured against the base
+(`trl_es.research.sparse.update_statistics`: relative L2 and s_τ; `trl_es.research.analysis`: the cosine between the ES and GRPO
 updates, KL drift on a fixed off-task text sample). With `--heldout gpqa,mbpp,…` the base and every result are also
 evaluated on those tasks (the same sampling; `--max-completion-length` if given, else each task's; DIR/heldout/):
 the held-out change table, each result's Pass@K and Maj@K minus the base's in points averaged over the held-out
-tasks (forgetting when negative).
+tasks (forgetting when negative). Through vLLM the token entropy is scored only with `--vllm-entropy` (it costs more
+than generating on CPU).
 
 Writes DIR/results.json, DIR/table.md (and the held-out change table), DIR/reward_vs_time.png, DIR/pass_at_k.png,
 DIR/pareto.png and DIR/pass_vs_time.png (Pass@1 and Pass@K against wall clock: with `--marks M`, M evenly spaced
