@@ -7,8 +7,9 @@ Both sides start an in-process engine with the same settings on the same model a
 same prompts of the task (small sums by default: built here, offline; `--task gsm8k` needs its data) at T = 0.6
 with the same token budget; the engine's start is not timed. trl-es sends every
 completion as its own request with its own seed (so records, resume and results keep their meaning) and scores
-them with the task's reward; plain vLLM sends one request per prompt with `n` samples and scores nothing. Each side
-runs in a fresh process, alternating (A B A B …), and the medians are compared.
+them with the task's reward; plain vLLM sends one request per prompt with `n` samples and scores nothing. A third
+side is `--vllm-entropy`: trl-es also scoring the token entropy (teacher forcing in transformers). Each side runs in
+a fresh process, alternating (A B C A B C …), and the medians are compared.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import statistics
 import subprocess
 import sys
 import time
+
+
+SIDES = ("plain", "trl-es", "trl-es --vllm-entropy")
 
 
 def plain(model: str, task: str, problems: int, n: int, tokens: int) -> float:
@@ -41,16 +45,17 @@ def plain(model: str, task: str, problems: int, n: int, tokens: int) -> float:
     return sum(len(output.outputs) for output in outputs) / (time.perf_counter() - start)
 
 
-def trl_es(model: str, task: str, problems: int, n: int, tokens: int) -> float:
+def trl_es(model: str, task: str, problems: int, n: int, tokens: int, entropy: bool = False) -> float:
     """Completions per second of the evaluation loop through vLLM: the task's `wall_s`, which starts after the model
-    and its engine are loaded and covers generating, scoring and writing the records."""
+    and its engine are loaded and covers generating, scoring (with `entropy`, the token entropy too) and writing the
+    records."""
     import tempfile
 
     from trl_es.evaluation import evaluate
 
     results = evaluate([model], task, n=n, k=[1], out_dir=tempfile.mkdtemp(), limit=problems,
                        max_completion_length=tokens, temperature=0.6, batch_size=problems, use_vllm=True,
-                       progress=lambda _: None)  # fmt: skip
+                       vllm_entropy=entropy, progress=lambda _: None)  # fmt: skip
     (scores,) = results["models"].values()
     return problems * n / scores["wall_s"]
 
@@ -63,14 +68,15 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--side", choices=("plain", "trl-es"), help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)
     options = parser.parse_args()
     sizes = (options.model, options.task, options.problems, options.n, options.tokens)
     if options.side:
-        print(json.dumps((plain if options.side == "plain" else trl_es)(*sizes)))
+        speed = plain(*sizes) if options.side == "plain" else trl_es(*sizes, entropy=options.side != "trl-es")
+        print(json.dumps(speed))
         return
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
-    speeds = {"plain": [], "trl-es": []}
+    speeds = {side: [] for side in SIDES}
     for _ in range(options.repeats):
         for side in speeds:
             command = [sys.executable, __file__, "--side", side, "--model", options.model, "--task", options.task,
@@ -80,12 +86,13 @@ def main() -> None:
                 sys.exit(f"{side} failed:\n{process.stderr[-3000:]}")
             speeds[side].append(json.loads(process.stdout.strip().splitlines()[-1]))
             print(f"{side}: {speeds[side][-1]:.1f} completions/s", flush=True)
-    plain_speed, ours = statistics.median(speeds["plain"]), statistics.median(speeds["trl-es"])
+    plain_speed, ours, scored = (statistics.median(speeds[side]) for side in SIDES)
     print(
         f"\n{options.problems} {options.task} problems × n={options.n}, ≤{options.tokens} tokens, T=0.6, {options.model}"
     )
-    print(f"plain vLLM generate  {plain_speed:8.1f} completions/s")
-    print(f"trl-es eval (vLLM)   {ours:8.1f} completions/s   ratio {ours / plain_speed:.2f}")
+    print(f"plain vLLM generate                  {plain_speed:8.1f} completions/s")
+    print(f"trl-es eval --use-vllm               {ours:8.1f} completions/s   ratio {ours / plain_speed:.2f}")
+    print(f"trl-es eval --use-vllm --vllm-entropy {scored:7.1f} completions/s   ratio {scored / plain_speed:.2f}")
 
 
 if __name__ == "__main__":

@@ -409,3 +409,47 @@ def test_entropy_scored_by_teacher_forcing_equals_the_entropy_recorded_while_sam
     scored = completion_entropy_sums(model, rows, completions, batch_size=4)
     assert min(recorded) > 0.1
     assert scored == pytest.approx(recorded, rel=1e-4)
+
+
+class EngineOfFours:
+    """An in-process vLLM engine's `generate` without vLLM: every completion is "4" (its token ids)."""
+
+    def __init__(self, tokenizer_dir):
+        from transformers import AutoTokenizer
+
+        self.ids = AutoTokenizer.from_pretrained(tokenizer_dir)("4", add_special_tokens=False).input_ids
+
+    def generate(self, prompt_ids, settings, adapters=None):
+        return [(list(self.ids), "stop") for _ in prompt_ids]
+
+
+def test_eval_through_vllm_scores_token_entropy_only_when_asked(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Scoring vLLM's completions' token entropy (a teacher-forced forward of every completion in transformers) cost
+    more than generating them (0.41 of plain vLLM's speed): `--use-vllm` leaves it out, says so and how to get it, and
+    keeps such records apart; `--vllm-entropy` scores it."""
+    from trl_es.evaluation import loop
+
+    monkeypatch.setattr("trl_es.generation.vllm_engine.require_vllm", lambda: None)  # vLLM need not be installed
+    monkeypatch.setattr(loop, "_vllm_engine", lambda model: EngineOfFours(tiny_model_dir))
+    argv = ["eval", "--model", tiny_model_dir, "--task", "small_sums", "--n", "2", "--limit", "2", "--use-vllm"]
+    assert cli([*argv, "--out-dir", str(tmp_path / "plain")]) == 0
+    printed = capsys.readouterr().out
+    assert "model on small_sums: token entropy not scored (--use-vllm; --vllm-entropy scores it" in printed
+    results = json.loads((tmp_path / "plain" / "results.json").read_text())
+    assert "mean_token_entropy" not in results["models"]["model"]["tasks"]["small_sums"]
+    assert results["settings"]["small_sums"]["entropy"] is False  # such records are not mixed with scored ones
+    with pytest.raises(ValueError, match="holds an evaluation with other settings"):
+        evaluate([tiny_model_dir], "small_sums", n=2, limit=2, use_vllm=True, vllm_entropy=True,
+                 out_dir=str(tmp_path / "plain"))  # fmt: skip
+
+    assert cli([*argv, "--vllm-entropy", "--out-dir", str(tmp_path / "scored")]) == 0
+    assert "model on small_sums: mean token entropy" in capsys.readouterr().out
+    results = json.loads((tmp_path / "scored" / "results.json").read_text())
+    assert results["models"]["model"]["tasks"]["small_sums"]["mean_token_entropy"] > 0.1
+    assert "entropy" not in results["settings"]["small_sums"]  # as the records of scored runs before the flag
+
+    assert cli(["eval", "--model", "no-such-model", "--task", "small_sums", "--vllm-entropy"]) == 1
+    assert capsys.readouterr().err == (
+        "trl-es eval: --vllm-entropy scores vLLM's completions: add --use-vllm (without it the entropy is always "
+        "recorded)\n"
+    )

@@ -161,7 +161,25 @@ def test_what_the_evaluation_refuses_is_refused_before_training(tmp_path, tiny_m
         (["--temperature", "nan"], "--temperature must be a finite number > 0"),
         (["--max-completion-length", "0"], "--max-completion-length must be ≥ 1 token, got 0"),
         (["--use-vllm"], "use_vllm=True needs vLLM, which is not installed"),
+        (["--vllm-entropy"], "--vllm-entropy scores vLLM's completions: add --use-vllm"),
     ]:
         with pytest.raises(ValueError, match=message):
             study([*quick(tmp_path / "study", tiny_model_dir), *flags])
     assert not (tmp_path / "study").exists()
+
+
+def test_tables_say_when_the_entropy_was_not_scored(tmp_path):
+    """Evaluated through vLLM without --vllm-entropy, the scores have no entropy: the tables leave its cells empty and
+    say how to get it, for one seed and for several."""
+    from trl_es.commands.study_report import write_seeds_table, write_table
+
+    scores = {"pass@1": 0.5, "maj@1": 0.5}
+    results = {"k": [1], "models": {"base": {"eval": scores}, "es": {"eval": scores}}}
+    note = "entropy: not scored (evaluated through vLLM; --vllm-entropy scores it)"
+    for text in (
+        write_table(results, tmp_path / "one.md"),
+        write_seeds_table({0: results, 1: results}, tmp_path / "two.md"),
+    ):
+        assert "| base | " in text and note in text
+    results["models"]["base"]["eval"] = {**scores, "mean_token_entropy": 1.5}
+    assert note not in write_table(results, tmp_path / "one.md")

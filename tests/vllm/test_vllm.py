@@ -384,13 +384,13 @@ def eval_cli(out: Path, model: str, *flags: str) -> dict:
 @pytest.mark.vllm
 def test_eval_through_vllm_gives_the_transformers_records_and_repeats_sampled_runs(tmp_path, tokenizer_dir):
     """`trl-es eval --use-vllm`: greedy, the transformers path's records (answers, verdicts, completion lengths);
-    sampled, each completion under its own seed, the same records from a second engine in the same call; the
-    token entropy scored after vLLM equals the one recorded while generating."""
+    sampled, each completion under its own seed, the same records from a second engine in the same call, and no
+    token entropy; with --vllm-entropy, the token entropy scored after vLLM equals the one recorded while generating."""
     pytest.importorskip("vllm")
     model = build_tiny_model(tmp_path / "model", tokenizer_dir, **VLLM_MODEL)
     greedy = ("--greedy", "--n", "1")
     transformers = eval_cli(tmp_path / "hf", model, *greedy)["model"]
-    assert transformers == eval_cli(tmp_path / "vllm", model, *greedy, "--use-vllm")["model"]
+    assert transformers == eval_cli(tmp_path / "vllm", model, *greedy, "--use-vllm", "--vllm-entropy")["model"]
     # the same completions' token entropy: recorded while generating, and scored afterwards by teacher forcing
     recorded, scored = (json.loads((tmp_path / run / "results.json").read_text())["models"]["model"]["tasks"]
                         ["small_sums"]["mean_token_entropy"] for run in ("hf", "vllm"))  # fmt: skip
@@ -400,6 +400,9 @@ def test_eval_through_vllm_gives_the_transformers_records_and_repeats_sampled_ru
     sampled = eval_cli(tmp_path / "sampled", model, "--model", model, "--limit", "2", "--n", "64", "--k", "1,4",
                        "--use-vllm")  # fmt: skip
     assert sampled["model"] == sampled["model'"] and len(sampled["model"]) == 1
+    results = json.loads((tmp_path / "sampled" / "results.json").read_text())
+    assert "mean_token_entropy" not in results["models"]["model"]["tasks"]["small_sums"]  # no --vllm-entropy
+    assert results["settings"]["small_sums"]["entropy"] is False  # such records are not mixed with scored ones
     settings = json.loads((tmp_path / "sampled" / "results.json").read_text())["settings"]["small_sums"]
     assert settings["backend"] == "vllm"  # recorded: a transformers run's records are not mixed in
 

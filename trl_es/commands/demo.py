@@ -12,6 +12,7 @@ only the first integer is scored.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from transformers import PrinterCallback, TrainerCallback
@@ -31,7 +32,24 @@ def held_out_accuracy(trainer, dataset) -> float:
     return sum(r >= 1.0 for r in rewards) / len(rewards)
 
 
+def not_deepspeeds_cpu_notice(record: logging.LogRecord) -> bool:
+    """DeepSpeed, where installed (`make demo` installs it for the tests), is imported by accelerate in every Trainer
+    and says first that it set its accelerator to CPU: the demo never uses DeepSpeed, so that line is dropped."""
+    return not str(record.msg).startswith("Setting accelerator to CPU")
+
+
+FLAT_STEPS = (
+    "  every member scored the same, so none ranks above another and ES leaves the weights as they were: early on "
+    "the model gets few sums right, so steps stay flat until a member answers a sum the others miss"
+)
+
+
 class PrintReward(TrainerCallback):
+    """One line per step (rewards, times); the first step without spread is followed by `FLAT_STEPS`, saying why."""
+
+    def __init__(self):
+        self.explained = False
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "reward" in logs:
             print(
@@ -42,6 +60,9 @@ class PrintReward(TrainerCallback):
                 f"{'  (no spread: weights unchanged)' if logs.get('es/skipped_update') else ''}",
                 flush=True,
             )
+            if logs.get("es/skipped_update") and not self.explained:
+                print(FLAT_STEPS, flush=True)
+                self.explained = True
 
 
 def main(argv=None):
@@ -53,6 +74,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0, help="the run's seed (noise, sampling)")
     parser.add_argument("--output-dir", default="outputs/demo", help="where the trained model goes")
     options = parser.parse_args(argv)
+    logging.getLogger("DeepSpeed").addFilter(not_deepspeeds_cpu_notice)
 
     from .. import ESConfig, ESTrainer
     from ..tasks import first_integer_reward, small_sums

@@ -15,7 +15,8 @@ Maj@K for the research's K = 1, 16, 32 up to `--n`; mean token entropy) and ever
 updates, KL drift on a fixed off-task text sample). With `--heldout gpqa,mbpp,…` the base and every result are also
 evaluated on those tasks (the same sampling; `--max-completion-length` if given, else each task's; DIR/heldout/):
 the held-out change table, each result's Pass@K and Maj@K minus the base's in points averaged over the held-out
-tasks (forgetting when negative).
+tasks (forgetting when negative). Through vLLM the token entropy is scored only with `--vllm-entropy` (it costs more
+than generating on CPU).
 
 Writes DIR/results.json, DIR/table.md (and the held-out change table), DIR/reward_vs_time.png, DIR/pass_at_k.png,
 DIR/pareto.png and DIR/pass_vs_time.png (Pass@1 and Pass@K against wall clock: with `--marks M`, M evenly spaced
@@ -41,7 +42,7 @@ from transformers import TrainerCallback
 
 from ..evaluation import (
     check_k,
-    check_vllm_installed,
+    check_vllm_options,
     evaluate,
     evaluate_tasks,
     expand_tasks,
@@ -227,7 +228,8 @@ def evaluate_heldout(options, tasks: list[str], k_values: list[int], paths: dict
     evaluated = evaluate_tasks(list(names.values()), tasks, options.n, k_values, os.path.join(options.out, "heldout"),
                                limit=options.limit, max_completion_length=options.heldout_length,
                                temperature=options.temperature, seed=options.seed, progress=progress,
-                               train_task=options.task, use_vllm=options.use_vllm)  # fmt: skip
+                               train_task=options.task, use_vllm=options.use_vllm,
+                               vllm_entropy=options.vllm_entropy)  # fmt: skip
     by_path = {row["path"]: row for row in evaluated["models"].values()}
     heldout = {"tasks": tasks, "train_task": options.task, "k": k_values, "models": {}}
     for name, path in names.items():
@@ -249,8 +251,7 @@ def study(options, progress=print_progress) -> dict:
         )
     if options.max_completion_length is not None and options.max_completion_length < 1:
         raise ValueError(f"--max-completion-length must be ≥ 1 token, got {options.max_completion_length}")
-    if options.use_vllm:
-        check_vllm_installed()
+    check_vllm_options(options.use_vllm, options.vllm_entropy)
     for method in options.methods:
         first = method.split("-")[0]
         if method not in METHODS:
@@ -275,7 +276,8 @@ def study(options, progress=print_progress) -> dict:
     evaluated = evaluate([options.model, *paths.values(), *marks], options.task, options.n, k_values,
                          os.path.join(options.out, "eval"), limit=options.limit,
                          max_completion_length=options.max_completion_length, seed=options.seed,
-                         temperature=options.temperature, progress=progress, use_vllm=options.use_vllm)  # fmt: skip
+                         temperature=options.temperature, progress=progress, use_vllm=options.use_vllm,
+                         vllm_entropy=options.vllm_entropy)  # fmt: skip
     scores = {row["path"]: row for row in evaluated["models"].values()}
     measures = measure_updates(options.model, paths)
     results = {"task": options.task, "k": k_values, "budget_minutes": options.budget_minutes,
@@ -326,7 +328,9 @@ def main(argv: list[str] | None = None) -> dict:
                         "countdown) the base and every result are evaluated on: the held-out change table")  # fmt: skip
     parser.add_argument("--limit", type=int, default=64, help="held-out problems evaluated")
     parser.add_argument("--use-vllm", action="store_true", help="evaluate through an in-process vLLM engine (as "
-                        "`trl-es eval --use-vllm`; training is unchanged)")  # fmt: skip
+                        "`trl-es eval --use-vllm`; training is unchanged); no token entropy unless --vllm-entropy")  # fmt: skip
+    parser.add_argument("--vllm-entropy", action="store_true", help="with --use-vllm, also score the token entropy "
+                        "(as `trl-es eval --vllm-entropy`: costs more than generating on CPU)")  # fmt: skip
     parser.add_argument("--marks", type=int, default=1, help="points of each stage that are saved and evaluated: "
                         "Pass@1 and Pass@K against time (pass_vs_time.png); 1: the end only")  # fmt: skip
     parser.add_argument("--seeds", default="0", help="comma-separated training and sampling seeds: several give "

@@ -9,6 +9,7 @@ from ..util.atomic import atomic_write_text
 
 TAUS = (1e-3, 1.5e-3, 2e-3)
 """The research's thresholds for s_τ, the share of an update's nonzero entries with |Δ| ≤ τ."""
+NO_ENTROPY = "entropy: not scored (evaluated through vLLM; --vllm-entropy scores it)"
 
 
 def table_columns(results: dict) -> list[str]:
@@ -18,12 +19,14 @@ def table_columns(results: dict) -> list[str]:
 
 
 def table_values(results: dict, name: str) -> dict:
-    """A model's row of the table as numbers, by column (a column without a value, as the base's training, absent;
-    s_τ is a tuple, one share per τ)."""
+    """A model's row of the table as numbers, by column (a column without a value, as the base's training or an
+    entropy not scored, absent; s_τ is a tuple, one share per τ)."""
     row, ks, k = results["models"][name], results["k"], results["k"][-1]
     scores, training, update = row["eval"], row.get("training"), row.get("update")
     values = {f"pass@{x}": scores[f"pass@{x}"] for x in ks}
-    values |= {f"maj@{k}": scores.get(f"maj@{k}", float("nan")), "entropy": scores["mean_token_entropy"]}
+    values[f"maj@{k}"] = scores.get(f"maj@{k}", float("nan"))
+    if "mean_token_entropy" in scores:
+        values["entropy"] = scores["mean_token_entropy"]
     if training:
         values |= {"steps": training["steps"], "seconds": training["seconds"]}
     if update:
@@ -46,6 +49,8 @@ def write_table(results: dict, path: str) -> str:
     for name in results["models"]:
         values = table_values(results, name)
         lines.append(f"| {name} | " + " | ".join(cell(c, values[c]) if c in values else "" for c in columns) + " |")
+    if "mean_token_entropy" not in results["models"]["base"]["eval"]:
+        lines.append(f"\n{NO_ENTROPY}")
     if "cosine_es_grpo" in results:
         lines.append(f"\ncos(Δ_ES, Δ_GRPO) = {results['cosine_es_grpo']:.4f}")
     if "heldout" in results:
@@ -70,6 +75,8 @@ def write_seeds_table(by_seed: dict[int, dict], path: str) -> str:
             cells.append(f"{cell(column, mean)} ({cell(column, min(values))}–{cell(column, max(values))})"
                          if values else "")  # fmt: skip
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if "mean_token_entropy" not in first["models"]["base"]["eval"]:
+        lines.append(f"\n{NO_ENTROPY}")
     cosines = [results["cosine_es_grpo"] for results in by_seed.values() if "cosine_es_grpo" in results]
     if cosines:
         lines.append(

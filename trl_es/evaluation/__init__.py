@@ -4,7 +4,7 @@ and the research's tables and plots (`report`)."""
 
 from .loop import (
     check_k,
-    check_vllm_installed,
+    check_vllm_options,
     decoding_description,
     evaluate,
     evaluate_batch,
@@ -20,7 +20,7 @@ __all__ = [
     "PROTOCOLS",
     "SUITES",
     "check_k",
-    "check_vllm_installed",
+    "check_vllm_options",
     "decoding_description",
     "evaluate",
     "evaluate_batch",

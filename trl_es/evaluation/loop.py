@@ -5,7 +5,8 @@
 For each model (loaded once) and task, n completions are sampled per problem (transformers `generate`, the trainer's
 generation backend, chosen in one place: `evaluate_model`) and scored by the task's reward (correct ⇔ reward ≥
 `SUCCESS_THRESHOLD`, `trl_es.tasks`). Per problem: the unbiased Pass@K and Maj@K (over the extracted answers) and the
-completions' token entropy (`trl_es.evaluation.metrics`); the model's scores on a task are their means.
+completions' token entropy (`trl_es.evaluation.metrics`; through vLLM only with `vllm_entropy`); the model's scores on
+a task are their means.
 `evaluate_batch` is the one evaluation loop: `ESTrainer.evaluate` runs it too. Problems are generated in fixed
 batches, each with its own seed, and every finished batch is appended to `<out-dir>/records/<task>/<model>.jsonl`:
 each (model, task) resumes where it stopped and gives the same numbers. Writes `results.json` and `tables.md` (the
@@ -165,13 +166,14 @@ def evaluate_model(
     batch_size: int = 8,
     progress: Callable[[str], None] = print_progress,
     use_vllm: bool = False,
+    vllm_entropy: bool = False,
 ) -> dict[str, dict]:
     """Load the model at `model_path` once and evaluate it on every task of `problems` ({task: (Task, dataset,
     settings)}), each task's batches appended to `records_dir/<task>/<name>.jsonl` (resuming from the batches already
     there). Returns {task: scores (with the task's `wall_s`)}. The generation backend is chosen here, once: transformers
     `generate`, or with `use_vllm` an in-process vLLM engine on the model's directory (every completion its own
-    request under its own seed, as in training; token entropy scored afterwards by the loaded model,
-    `ScoredVLLMGeneration`)."""
+    request under its own seed, as in training; no token entropy unless `vllm_entropy`: then scored afterwards by the
+    loaded model, `ScoredVLLMGeneration`)."""
     from ..generation import TransformersGeneration, decoding_config
 
     model, tokenizer, eos_ids = _load(model_path)
@@ -183,7 +185,8 @@ def evaluate_model(
         config = decoding_config(tokenizer, eos_ids, settings["max_completion_length"], **decoding)
         if engine is None:
             return TransformersGeneration(model, tokenizer, config, eos_ids)
-        return ScoredVLLMGeneration(engine, model, tokenizer, config, eos_ids, None)
+        through_vllm = ScoredVLLMGeneration if vllm_entropy else VLLMGeneration
+        return through_vllm(engine, model, tokenizer, config, eos_ids, None)
 
     scores = {}
     for task_name, (task, dataset, settings) in problems.items():
@@ -201,8 +204,9 @@ def evaluate_model(
 
 class ScoredVLLMGeneration(VLLMGeneration):
     """vLLM's completions with their token entropy scored afterwards by the evaluated model in transformers
-    (`completion_entropy_sums`, teacher forcing): the protocol's entropy at vLLM's speed. Evaluation only: the model
-    here holds the weights vLLM generates with, which a training run's members do not."""
+    (`completion_entropy_sums`, teacher forcing: a forward pass over every completion, which costs more than
+    generating it on CPU). Evaluation only: the model here holds the weights vLLM generates with, which a training
+    run's members do not."""
 
     records_entropy = True
 
@@ -227,10 +231,17 @@ def _vllm_engine(model):
     return Colocated(model.name_or_path, defaults, PartialState(), next(model.parameters()).dtype)
 
 
-def check_vllm_installed() -> None:
-    """A ValueError (one line in the CLI) when vLLM is not installed: checked before any model is loaded."""
+def check_vllm_options(use_vllm: bool, vllm_entropy: bool) -> None:
+    """A ValueError (one line in the CLI) for `vllm_entropy` without `use_vllm`, or `use_vllm` without vLLM
+    installed: checked before any model is loaded."""
     from ..generation.vllm_engine import require_vllm
 
+    if vllm_entropy and not use_vllm:
+        raise ValueError(
+            "--vllm-entropy scores vLLM's completions: add --use-vllm (without it the entropy is always recorded)"
+        )
+    if not use_vllm:
+        return
     try:
         require_vllm()
     except ImportError as error:
@@ -250,7 +261,8 @@ def evaluate_task(
     progress: Callable[[str], None] = print_progress,
 ) -> dict:
     """Sample n completions per problem of `dataset` from the `rollout`, appending one JSON line per batch to
-    `records_path` (resuming from the batches already there), and return the scores."""
+    `records_path` (resuming from the batches already there), and return the scores (without `mean_token_entropy`
+    when the rollout records no entropy)."""
     n_batches = -(-len(dataset) // batch_size)
     sizes = {b: min(batch_size, len(dataset) - b * batch_size) for b in range(n_batches)}
     done = _read_records(records_path, settings, sizes, n, task.extract_answer is not None, progress)
@@ -280,7 +292,10 @@ def evaluate_task(
                 f"  {label}: {finished}/{len(dataset)} problems, {time.perf_counter() - start:.0f} s, "
                 f"Pass@1 so far {running:.3f}"
             )
-    return summarize_records(list(done.values()), k_values, maj=task.extract_answer is not None)
+    summary = summarize_records(list(done.values()), k_values, maj=task.extract_answer is not None)
+    if not rollout.records_entropy:
+        del summary["mean_token_entropy"]
+    return summary
 
 
 def _read_records(
@@ -398,6 +413,7 @@ def evaluate_tasks(
     protocol: str | None = None,
     train_task: str | None = None,
     use_vllm: bool = False,
+    vllm_entropy: bool = False,
 ) -> dict:
     """Evaluate every model on every task (see the module docstring); returns and writes `results.json`:
     {"tasks", "k", "protocol", "train_task", "settings": {task: settings}, "models": {name: {"path", "wall_s",
@@ -407,7 +423,8 @@ def evaluate_tasks(
     `protocol.DEFAULTS`. Decoding samples (`temperature` > 0, `top_p`, `top_k`; 0: off) unless `greedy` (or
     `temperature` = 0); greedy decoding gives n equal completions, so it takes n = 1. `train_task`: the task the
     models were trained on, left out of the held-out change. `use_vllm`: generate through vLLM (recorded: records of
-    the two backends are not mixed). Bad input (unknown task, K outside 1..n, batch size or completion length
+    the two backends are not mixed), without token entropy (no `mean_token_entropy`) unless `vllm_entropy`, which
+    scores it by teacher forcing in transformers. Bad input (unknown task, K outside 1..n, batch size or completion length
     below 1, a temperature that is not finite, missing columns or vLLM, an `out_dir` that cannot be a folder) fails
     before any model is loaded or any file written."""
     tasks = list(dict.fromkeys(tasks))
@@ -433,8 +450,7 @@ def evaluate_tasks(
         raise ValueError(f"--max-completion-length must be ≥ 1 token, got {values['max_completion_length']}")
     if batch_size < 1:
         raise ValueError(f"--batch-size must be ≥ 1 problem per generate call, got {batch_size}")
-    if use_vllm:
-        check_vllm_installed()
+    check_vllm_options(use_vllm, vllm_entropy)
     if not models:
         raise ValueError("give at least one model")
     if len(tasks) > 1 and (split is not None or source is not None):
@@ -457,6 +473,7 @@ def evaluate_tasks(
             "batch_size": batch_size,
             "seed": seed,
             **({"backend": "vllm"} if use_vllm else {}),
+            **({"entropy": False} if use_vllm and not vllm_entropy else {}),  # records without token entropy
         }
         problems[name] = (task, dataset, settings[name])
     try:
@@ -473,7 +490,7 @@ def evaluate_tasks(
         progress(f"{name}: {', '.join(f'{t} × {len(d)}' for t, (_, d, _) in problems.items())} problems, n={n}")
         start = time.perf_counter()
         scores = evaluate_model(path, problems, n, k_values, os.path.join(out_dir, "records"), name, batch_size,
-                                progress, use_vllm)  # fmt: skip
+                                progress, use_vllm, vllm_entropy)  # fmt: skip
         results["models"][name] = {"path": path, "wall_s": round(time.perf_counter() - start, 1), "tasks": scores}
         results["models"][name]["average"] = averages(results, name)
     results["heldout_change"] = heldout_change(results)
