@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> list[str]:
         f"trained {outputs[-1]}; evaluate it in the research's protocol beside the base model:\n"
         f"  trl-es eval --model {options.model or setting['model']} --model {outputs[-1]} --suite {suites} "
         f"--protocol {'paper-hard' if options.setting == 'hard' else 'paper'} --train-task {setting['task']} "
-        f"{'--use-vllm ' if options.use_vllm else ''}--out-dir {folder}/eval"
+        f"{'--use-vllm --vllm-entropy ' if options.use_vllm else ''}--out-dir {folder}/eval"
     )
     return outputs
 
