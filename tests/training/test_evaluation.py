@@ -430,7 +430,7 @@ def test_eval_through_vllm_scores_token_entropy_only_when_asked(tiny_model_dir, 
     from trl_es.evaluation import loop
 
     monkeypatch.setattr("trl_es.generation.vllm_engine.require_vllm", lambda: None)  # vLLM need not be installed
-    monkeypatch.setattr(loop, "_vllm_engine", lambda model: EngineOfFours(tiny_model_dir))
+    monkeypatch.setattr(loop, "vllm_engine", lambda model: EngineOfFours(tiny_model_dir))
     argv = ["eval", "--model", tiny_model_dir, "--task", "small_sums", "--n", "2", "--limit", "2", "--use-vllm"]
     assert cli([*argv, "--out-dir", str(tmp_path / "plain")]) == 0
     printed = capsys.readouterr().out

@@ -15,7 +15,8 @@ def names(text: str | None) -> list[str]:
     return [name for name in (text or "").split(",") if name]
 
 
-def main(argv: list[str] | None = None) -> dict:
+def eval_parser():
+    """`trl-es eval`'s arguments."""
     parser = command_parser("trl-es eval", __doc__.splitlines()[0])
     parser.add_argument(
         "--model",
@@ -62,6 +63,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--vllm-entropy", action="store_true", help="with --use-vllm, also score the token entropy: "
                         "the model reads every completion again in transformers (teacher forcing), which costs "
                         "more than generating on CPU")  # fmt: skip
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = eval_parser()
     options = parser.parse_args(argv)
     k_values = None
     if options.k is not None:
@@ -70,27 +76,16 @@ def main(argv: list[str] | None = None) -> dict:
         except ValueError:
             parser.error(f"--k must be comma-separated integers, got {options.k!r}")
     tasks = expand_tasks(names(options.task), names(options.suite))
-    results = evaluate_tasks(
-        options.model,
-        tasks,
-        options.n,
-        k_values,
-        options.out_dir,
-        options.split,
-        options.source,
-        options.limit,
-        options.max_completion_length,
-        options.temperature,
-        options.top_p,
-        options.batch_size,
-        options.seed,
-        greedy=options.greedy,
-        top_k=options.top_k,
-        protocol=options.protocol,
-        train_task=options.train_task,
-        use_vllm=options.use_vllm,
-        vllm_entropy=options.vllm_entropy,
-    )
+    settings = {name: getattr(options, name) for name in ("n", "out_dir", "split", "source", "limit",
+                "max_completion_length", "temperature", "top_p", "batch_size", "seed", "greedy", "top_k", "protocol",
+                "train_task", "use_vllm", "vllm_entropy")}  # fmt: skip
+    results = evaluate_tasks(options.model, tasks, k=k_values, **settings)
+    print_results(results, tasks, options.out_dir)
+    return results
+
+
+def print_results(results: dict, tasks: list[str], out_dir: str) -> None:
+    """The protocol, the decoding, the tables and each model's entropy, length and time on each task."""
     protocol = results["protocol"]
     if protocol:
         overridden = ", ".join(f"{key} {value}" for key, value in protocol["overridden"].items()) or "nothing"
@@ -111,5 +106,4 @@ def main(argv: list[str] | None = None) -> dict:
                 f"{name} on {task}: {entropy}, mean length {scores['mean_completion_length']:.1f} tokens, "
                 f"{scores['wall_s']:.0f} s"
             )
-    print(f"wrote {options.out_dir}/results.json, tables.md, pass_at_k.png, pareto.png")
-    return results
+    print(f"wrote {out_dir}/results.json, tables.md, pass_at_k.png, pareto.png")

@@ -239,11 +239,8 @@ def evaluate_heldout(options, tasks: list[str], k_values: list[int], paths: dict
     return heldout
 
 
-def study(options, progress=print_progress) -> dict:
-    """Train, evaluate and measure every method (see the module docstring); returns what results.json holds."""
-    task = get_task(options.task)
-    k_values = check_k(options.n, options.k or research_k(options.n))
-    heldout = expand_tasks(options.heldout, []) if options.heldout else []
+def check_study(options) -> None:
+    """A ValueError for what the study's evaluation or its methods cannot run with, before anything trains."""
     if not (math.isfinite(options.temperature) and options.temperature > 0):
         raise ValueError(
             f"--temperature must be a finite number > 0: the evaluation samples --n completions, got "
@@ -262,6 +259,14 @@ def study(options, progress=print_progress) -> dict:
         raise ValueError(f"--marks must be ≥ 1, got {options.marks}")
     if options.budget_minutes <= 0:
         raise ValueError(f"--budget-minutes must be > 0, got {options.budget_minutes}")
+
+
+def study(options, progress=print_progress) -> dict:
+    """Train, evaluate and measure every method (see the module docstring); returns what results.json holds."""
+    task = get_task(options.task)
+    k_values = check_k(options.n, options.k or research_k(options.n))
+    heldout = expand_tasks(options.heldout, []) if options.heldout else []
+    check_study(options)
     from ..util.models import resolve_model
 
     options.model = resolve_model(options.model)

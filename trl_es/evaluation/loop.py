@@ -23,7 +23,6 @@ import math
 import os
 import sys
 import time
-import types
 from collections.abc import Callable
 
 import torch
@@ -31,19 +30,20 @@ import torch
 from ..es.seeds import completion_seeds, eval_seed
 from ..es.weights import weights_hash
 from ..generation import VLLMGeneration
-from ..generation.transformers_backend import completion_entropy_sums
 from ..rewards import RewardFunctions
 from ..rollout import PlainRollout, Rollout
 from ..tasks import SUCCESS_THRESHOLD, Task, get_task
 from ..tasks.data import completion_text
 from ..util.atomic import atomic_write_text
 from .metrics import maj_at_k, pass_at_k, vote_classes
+from .models import ScoredVLLMGeneration, check_vllm_options, load_model, model_name, vllm_engine
 from .protocol import resolve_protocol
+from .records import RECORDS_FORMAT, read_records, summarize_records
 from .report import averages, heldout_change, plot_pareto, plot_pass_at_k, tables
 
 
-RECORDS_FORMAT = 2
-"""Version of the records files: a file of another version is refused, not mixed in."""
+def print_progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def score_problems(
@@ -133,29 +133,6 @@ def load_problems(task: Task, split: str | None, source: str | None, limit: int 
     return dataset
 
 
-def print_progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def _model_name(path: str, taken: set[str]) -> str:
-    name = os.path.basename(os.path.normpath(path)) or path
-    while name in taken:
-        name += "'"
-    taken.add(name)
-    return name
-
-
-def _load(path: str):
-    from ..util.models import eos_token_ids, load_starting_model, load_tokenizer, resolve_model
-
-    path = resolve_model(path)
-    model = load_starting_model(path)
-    tokenizer = load_tokenizer(path, model)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model.eval(), tokenizer, eos_token_ids(model, tokenizer)
-
-
 def evaluate_model(
     model_path: str,
     problems: dict[str, tuple[Task, object, dict]],
@@ -176,9 +153,9 @@ def evaluate_model(
     loaded model, `ScoredVLLMGeneration`)."""
     from ..generation import TransformersGeneration, decoding_config
 
-    model, tokenizer, eos_ids = _load(model_path)
+    model, tokenizer, eos_ids = load_model(model_path)
     weights = weights_hash(dict(model.named_parameters()))  # the records' model
-    engine = _vllm_engine(model) if use_vllm else None
+    engine = vllm_engine(model) if use_vllm else None
 
     def generation(settings: dict):
         decoding = {key: settings[key] for key in ("do_sample", "temperature", "top_p", "top_k")}
@@ -202,52 +179,6 @@ def evaluate_model(
     return scores
 
 
-class ScoredVLLMGeneration(VLLMGeneration):
-    """vLLM's completions with their token entropy scored afterwards by the evaluated model in transformers
-    (`completion_entropy_sums`, teacher forcing: a forward pass over every completion, which costs more than
-    generating it on CPU). Evaluation only: the model here holds the weights vLLM generates with, which a training
-    run's members do not."""
-
-    records_entropy = True
-
-    def generate_ids(self, rows, seeds, record_entropy=False, max_new_tokens=None):
-        completion_ids, truncated, _ = super().generate_ids(rows, seeds, False, max_new_tokens)
-        entropy_sums = completion_entropy_sums(self.model, rows, completion_ids) if record_entropy else None
-        return completion_ids, truncated, entropy_sums
-
-
-def _vllm_engine(model):
-    """An in-process vLLM engine on `model`'s directory with vLLM's defaults (ESConfig's vLLM fields), as training's
-    colocate mode starts it; it replaces this process's earlier engine (one per process)."""
-    from accelerate import PartialState
-
-    from ..generation.vllm_engine import Colocated, require_vllm
-
-    require_vllm()
-    defaults = types.SimpleNamespace(
-        vllm_tensor_parallel_size=1, vllm_gpu_memory_utilization=0.3, vllm_max_model_length=None,
-        vllm_model_impl="vllm", vllm_enforce_eager=None,
-    )  # fmt: skip
-    return Colocated(model.name_or_path, defaults, PartialState(), next(model.parameters()).dtype)
-
-
-def check_vllm_options(use_vllm: bool, vllm_entropy: bool) -> None:
-    """A ValueError (one line in the CLI) for `vllm_entropy` without `use_vllm`, or `use_vllm` without vLLM
-    installed: checked before any model is loaded."""
-    from ..generation.vllm_engine import require_vllm
-
-    if vllm_entropy and not use_vllm:
-        raise ValueError(
-            "--vllm-entropy scores vLLM's completions: add --use-vllm (without it the entropy is always recorded)"
-        )
-    if not use_vllm:
-        return
-    try:
-        require_vllm()
-    except ImportError as error:
-        raise ValueError(str(error)) from error
-
-
 def evaluate_task(
     rollout: Rollout,
     task: Task,
@@ -265,7 +196,7 @@ def evaluate_task(
     when the rollout records no entropy)."""
     n_batches = -(-len(dataset) // batch_size)
     sizes = {b: min(batch_size, len(dataset) - b * batch_size) for b in range(n_batches)}
-    done = _read_records(records_path, settings, sizes, n, task.extract_answer is not None, progress)
+    done = read_records(records_path, settings, sizes, n, task.extract_answer is not None, progress)
     for record in done.values():  # Pass@K / Maj@K for this run's K, from the kept verdicts and answers
         problems, correct, answers = range(record["problems"]), record["correct"], record["answers"]
         record.update(score_problems(problems, correct, answers, n, k_values, task.same_answer))
@@ -295,95 +226,6 @@ def evaluate_task(
     summary = summarize_records(list(done.values()), k_values, maj=task.extract_answer is not None)
     if not rollout.records_entropy:
         del summary["mean_token_entropy"]
-    return summary
-
-
-def _read_records(
-    path: str, settings: dict, sizes: dict[int, int], n: int, voting: bool, progress=print_progress
-) -> dict[int, dict]:
-    """The finished batches of an earlier run with the same settings (a ValueError for other settings). Records of
-    other weights (the model at that path was trained again since) are discarded, with a message: the model is
-    evaluated again. A last line cut short by an interruption is dropped from the file: that batch is generated
-    again. Every record is checked against this evaluation (`sizes`: batch → problems, `n` completions each, with
-    an answer each when the task is `voting`)."""
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        lines = [line for line in f.read().splitlines() if line.strip()]
-    records = []
-    for number, line in enumerate(lines):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as error:
-            if number < len(lines) - 1:
-                raise ValueError(f"{path} line {number + 1} is corrupt; delete the file to start over") from error
-            atomic_write_text(path, "".join(kept + "\n" for kept in lines[:-1]))  # keep the complete lines only
-    if not records:
-        return {}
-    recorded = records[0].get("settings") if isinstance(records[0], dict) else None
-    if isinstance(recorded, dict) and {**recorded, "weights_sha256": None} == {**settings, "weights_sha256": None}:
-        if recorded.get("weights_sha256") != settings["weights_sha256"]:
-            progress(f"  {path}: made with other weights (the model changed since): evaluating again")
-            os.remove(path)
-            return {}
-    elif recorded != settings:
-        raise ValueError(
-            f"{path} holds an evaluation with other settings ({recorded}); use another --out-dir or delete it to "
-            "start over"
-        )
-    done = {}
-    for number, record in enumerate(records[1:], start=2):
-        problem = _record_problem(record, sizes, n, voting, done)
-        if problem:
-            raise ValueError(
-                f"{path} line {number} is not a batch of this evaluation ({problem}); delete the file to start over"
-            )
-        done[record["batch"]] = record
-    return done
-
-
-def _record_problem(record, sizes: dict[int, int], n: int, voting: bool, done: dict) -> str | None:
-    """What is wrong with one records line, or None."""
-    if not isinstance(record, dict) or type(record.get("batch")) is not int:
-        return "not a batch record"
-    batch = record["batch"]
-    if batch not in sizes or batch in done:
-        return f"batch {batch} is {'repeated' if batch in done else 'not one of this evaluation'}"
-    if record.get("problems") != sizes[batch]:
-        return f"batch {batch} holds {record.get('problems')!r} problems, this evaluation's has {sizes[batch]}"
-    correct, answers = record.get("correct"), record.get("answers")
-    if not (isinstance(correct, list) and len(correct) == sizes[batch] * n and all(type(c) is bool for c in correct)):
-        return f"batch {batch} lacks its {sizes[batch] * n} verdicts"
-    texts = (
-        isinstance(answers, list)
-        and len(answers) == len(correct)
-        and all(a is None or type(a) is str for a in answers)
-    )
-    if voting and not texts:
-        return f"batch {batch} lacks its {len(correct)} answers (text or null)"
-    if not voting and answers is not None:
-        return f"batch {batch} holds answers, but this task has none to vote on"
-    sums = ("completions", "reward_sum", "rewards", "tokens", "entropy_sum")
-    if not all(type(record.get(key)) in (int, float) and math.isfinite(record[key]) for key in sums):
-        return f"batch {batch} lacks its sums"
-    return None
-
-
-def summarize_records(records: list[dict], k_values: list[int], maj: bool, reduce: Callable | None = None) -> dict:
-    """Means over problems of Pass@K (and Maj@K with `maj`); mean reward, token entropy and completion length over
-    completions. `reduce` sums the records' totals across processes (a float64 tensor in, the sum out): every
-    process must call it, with records or none."""
-    keys = [f"pass@{k}" for k in k_values] + [f"maj@{k}" for k in k_values if maj]
-    keys += ["problems", "completions", "reward_sum", "rewards", "tokens", "entropy_sum"]
-    totals = torch.tensor([sum(r[key] for r in records) for key in keys], dtype=torch.float64)
-    total = dict(zip(keys, (reduce(totals) if reduce else totals).tolist(), strict=True))
-    summary = {"problems": total["problems"]}
-    for key in [f"{m}@{k}" for m in ("pass", "maj") for k in k_values]:
-        if key in total:
-            summary[key] = total[key] / total["problems"]
-    summary["reward"] = total["reward_sum"] / total["rewards"] if total["rewards"] else float("nan")
-    summary["mean_token_entropy"] = total["entropy_sum"] / max(total["tokens"], 1)
-    summary["mean_completion_length"] = total["tokens"] / total["completions"]
     return summary
 
 
@@ -437,44 +279,23 @@ def evaluate_tasks(
         protocol, n=n, k=None if k is None else list(k), temperature=0.0 if greedy else temperature,
         max_completion_length=max_completion_length,
     )  # fmt: skip
-    n, temperature = values["n"], values["temperature"]
-    k_values = check_k(n, values["k"])
-    greedy = temperature == 0
-    if greedy and n != 1:
-        raise ValueError(f"greedy decoding gives the same completion n={n} times: evaluate it with n=1")
-    if not greedy and not (math.isfinite(temperature) and temperature > 0 and 0 < top_p <= 1 and top_k >= 0):
-        raise ValueError(
-            f"sampling needs a finite temperature > 0, 0 < top_p ≤ 1, top_k ≥ 0 (got {temperature}, {top_p}, {top_k})"
-        )
-    if values["max_completion_length"] is not None and values["max_completion_length"] < 1:
-        raise ValueError(f"--max-completion-length must be ≥ 1 token, got {values['max_completion_length']}")
-    if batch_size < 1:
-        raise ValueError(f"--batch-size must be ≥ 1 problem per generate call, got {batch_size}")
+    check_decoding(values, top_p, top_k, batch_size)
     check_vllm_options(use_vllm, vllm_entropy)
     if not models:
         raise ValueError("give at least one model")
     if len(tasks) > 1 and (split is not None or source is not None):
         raise ValueError("--split and --source name one task's data: evaluate that task on its own")
+    n, k_values = values["n"], check_k(values["n"], values["k"])
+    greedy, backend = values["temperature"] == 0, {"backend": "vllm"} if use_vllm else {}
+    if use_vllm and not vllm_entropy:
+        backend["entropy"] = False  # records without token entropy
+    sampling = None if greedy else {"temperature": values["temperature"], "top_p": top_p, "top_k": top_k}
     settings, problems = {}, {}
     for name, task in task_of.items():
         dataset = load_problems(task, split, source, limit)
-        settings[name] = {
-            "format": RECORDS_FORMAT,
-            "task": name,
-            "split": split or task.eval_split,
-            "source": source,
-            "problems": len(dataset),
-            "n": n,
-            "max_completion_length": values["max_completion_length"] or task.max_completion_length,
-            "do_sample": not greedy,
-            "temperature": None if greedy else temperature,
-            "top_p": None if greedy else top_p,
-            "top_k": None if greedy else top_k,
-            "batch_size": batch_size,
-            "seed": seed,
-            **({"backend": "vllm"} if use_vllm else {}),
-            **({"entropy": False} if use_vllm and not vllm_entropy else {}),  # records without token entropy
-        }
+        length = values["max_completion_length"] or task.max_completion_length
+        settings[name] = record_settings(name, task, dataset, split, source, n, length, sampling, batch_size, seed)
+        settings[name] |= backend
         problems[name] = (task, dataset, settings[name])
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -486,13 +307,54 @@ def evaluate_tasks(
                       "settings": settings, "models": {}}, set()  # fmt: skip
     progress(f"decoding: {decoding_description(settings[tasks[0]])}")
     for path in models:
-        name = _model_name(path, taken)
+        name = model_name(path, taken)
         progress(f"{name}: {', '.join(f'{t} × {len(d)}' for t, (_, d, _) in problems.items())} problems, n={n}")
         start = time.perf_counter()
         scores = evaluate_model(path, problems, n, k_values, os.path.join(out_dir, "records"), name, batch_size,
                                 progress, use_vllm, vllm_entropy)  # fmt: skip
         results["models"][name] = {"path": path, "wall_s": round(time.perf_counter() - start, 1), "tasks": scores}
         results["models"][name]["average"] = averages(results, name)
+    write_results(results, out_dir)
+    return results
+
+
+def record_settings(name, task, dataset, split, source, n, length, sampling, batch_size, seed) -> dict:
+    """What an evaluation of task `name` is, as its records' first line keeps it (a resumed run must match it):
+    the data, n, the token budget, the decoding (`sampling`: temperature, top_p, top_k; None: greedy)."""
+    return {
+        "format": RECORDS_FORMAT,
+        "task": name,
+        "split": split or task.eval_split,
+        "source": source,
+        "problems": len(dataset),
+        "n": n,
+        "max_completion_length": length,
+        "do_sample": sampling is not None,
+        **(sampling or dict.fromkeys(("temperature", "top_p", "top_k"))),
+        "batch_size": batch_size,
+        "seed": seed,
+    }
+
+
+def check_decoding(values: dict, top_p: float, top_k: int, batch_size: int) -> None:
+    """A ValueError for decoding settings an evaluation cannot run with (`values`: the protocol's resolved n, k,
+    temperature and max_completion_length; temperature 0 is greedy)."""
+    n, temperature, length = values["n"], values["temperature"], values["max_completion_length"]
+    if temperature == 0 and n != 1:
+        raise ValueError(f"greedy decoding gives the same completion n={n} times: evaluate it with n=1")
+    if temperature != 0 and not (math.isfinite(temperature) and temperature > 0 and 0 < top_p <= 1 and top_k >= 0):
+        raise ValueError(
+            f"sampling needs a finite temperature > 0, 0 < top_p ≤ 1, top_k ≥ 0 (got {temperature}, {top_p}, {top_k})"
+        )
+    if length is not None and length < 1:
+        raise ValueError(f"--max-completion-length must be ≥ 1 token, got {length}")
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be ≥ 1 problem per generate call, got {batch_size}")
+
+
+def write_results(results: dict, out_dir: str) -> None:
+    """The held-out change and the tables into `results`, then `results.json`, `tables.md`, `pass_at_k.png` and
+    `pareto.png` into `out_dir`."""
     results["heldout_change"] = heldout_change(results)
     results["tables"] = tables(results)
     atomic_write_text(os.path.join(out_dir, "results.json"), json.dumps(results, indent=1))
@@ -500,7 +362,6 @@ def evaluate_tasks(
     atomic_write_text(os.path.join(out_dir, "tables.md"), text)
     plot_pass_at_k(results, os.path.join(out_dir, "pass_at_k.png"))
     plot_pareto(results, os.path.join(out_dir, "pareto.png"))
-    return results
 
 
 def evaluate(models: list[str], task: str, *args, **kwargs) -> dict:

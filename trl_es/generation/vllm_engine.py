@@ -16,6 +16,8 @@ import weakref
 import numpy as np
 import torch
 
+from ..util.compat import grpo_default
+
 
 WORKER_EXTENSION = "trl_es.generation.vllm_worker.ESWorkerExtension"
 TOKEN_VARIABLE = "TRL_ES_VLLM_TOKEN"
@@ -42,6 +44,21 @@ def _keep_random_state():
     random.setstate(python_state)
     np.random.set_state(numpy_state)
 
+
+ENGINE_DEFAULTS = {
+    **{
+        name: grpo_default(name)
+        for name in (
+            "vllm_tensor_parallel_size",
+            "vllm_gpu_memory_utilization",
+            "vllm_max_model_length",
+            "vllm_model_impl",
+        )
+    },
+    "vllm_enforce_eager": None,  # ES's own field: eager on CPU only
+}
+"""The colocated engine's settings by their ESConfig names, with their defaults (GRPOConfig's): the one statement of
+them, which ESConfig's fields take and `trl-es eval` starts its engine with."""
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The adapter ranks a vLLM engine can be built for (`max_lora_rank`); a member of rank r uses the next one up."""

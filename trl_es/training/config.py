@@ -19,6 +19,8 @@ from trl.trainer.grpo_config import GRPOConfig
 from ..es import SEARCH_SPACES
 from ..es.fitness import SHAPINGS
 from ..es.noise import CHUNK, MAX_TABLE_SIZE
+from ..generation.vllm_engine import ENGINE_DEFAULTS
+from ..util.compat import grpo_default
 from .grpo_fields import check_grpo_only_fields, grpo_only_fields_class
 
 
@@ -58,13 +60,6 @@ DEFAULTS_UNLIKE_GRPO = {
     "bf16": "False on CPU, where GRPOConfig's True is an error without use_cpu (True on an accelerator, as GRPO's)",
 }
 """The fields whose ESConfig default differs from GRPOConfig's, and why."""
-
-
-def grpo_default(name: str):
-    """The installed GRPOConfig's default of field `name`: ESConfig's too for every field that keeps GRPO's meaning
-    (tests/unit/test_config.py compares the two field by field; the differences are documented)."""
-    spec = GRPOConfig.__dataclass_fields__[name]
-    return spec.default_factory() if spec.default is MISSING else spec.default
 
 
 @dataclass
@@ -422,7 +417,7 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         },
     )
     vllm_model_impl: str = field(
-        default=grpo_default("vllm_model_impl"),
+        default=ENGINE_DEFAULTS["vllm_model_impl"],
         metadata={
             "group": VLLM,
             "help": "Model implementation in vLLM: 'vllm' or 'transformers'.",
@@ -457,28 +452,28 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         },
     )
     vllm_gpu_memory_utilization: float = field(
-        default=grpo_default("vllm_gpu_memory_utilization"),
+        default=ENGINE_DEFAULTS["vllm_gpu_memory_utilization"],
         metadata={
             "group": VLLM,
             "help": "Colocate mode: share of GPU memory vLLM may take (weights, activations, KV cache).",
         },
     )
     vllm_max_model_length: int | None = field(
-        default=grpo_default("vllm_max_model_length"),
+        default=ENGINE_DEFAULTS["vllm_max_model_length"],
         metadata={
             "group": VLLM,
             "help": "Colocate mode: vLLM's context length (prompt + completion); default: the model's.",
         },
     )
     vllm_tensor_parallel_size: int = field(
-        default=grpo_default("vllm_tensor_parallel_size"),
+        default=ENGINE_DEFAULTS["vllm_tensor_parallel_size"],
         metadata={
             "group": VLLM,
             "help": "Colocate mode: GPUs per vLLM engine (tensor parallelism); must divide the process count.",
         },
     )
     vllm_enforce_eager: bool | None = field(
-        default=None,
+        default=ENGINE_DEFAULTS["vllm_enforce_eager"],
         metadata={
             "group": VLLM,
             "help": "Colocate mode: run vLLM without CUDA graphs / torch.compile. Default: on CPU only.",

@@ -75,6 +75,17 @@ TRAINER_ATTRIBUTES = {
 are (checked against the installed sources: tests/unit/test_compat.py)."""
 
 
+def grpo_default(name: str):
+    """The installed GRPOConfig's default of field `name` (public dataclass metadata): ESConfig's too for every field
+    that keeps GRPO's meaning (tests/unit/test_config.py compares the two field by field)."""
+    from dataclasses import MISSING
+
+    from trl.trainer.grpo_config import GRPOConfig
+
+    spec = GRPOConfig.__dataclass_fields__[name]
+    return spec.default_factory() if spec.default is MISSING else spec.default
+
+
 def check_trainer_hooks(trainer_class: type = Trainer) -> None:
     """An ImportError naming the supported versions when `trainer_class` lacks a hook or its parameters changed."""
     for name, parameters in TRAINER_HOOKS.items():
