@@ -51,8 +51,8 @@ def two_processes(guard_models, model_dir, tmp_path_factory) -> Path:
     """One launch with 2 processes (the shipped examples/accelerate/cpu_two_processes.yaml): every guard scenario,
     the user script's runs, and last the run whose reward raises on process 1 (which ends the launch)."""
     out = tmp_path_factory.mktemp("two-processes")
-    runs = [
-        *guard_runs(guard_models),
+    runs = [  # the adapter scenario's 2 processes run through vLLM (test_regression_guard.py), not twice
+        *guard_runs(guard_models, scenarios=[s for s in regression_guard.SCENARIOS if s != "adapter"]),
         *user_runs(guard_models, model_dir),
         {"name": "raise", "model": model_dir, "fault": "raise"},
     ]
