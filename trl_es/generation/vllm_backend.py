@@ -12,7 +12,9 @@ request with its own seed (`trl_es.es.seeds.completion_seed`), so common random 
 path. The sampled completions are not the same tokens as `generate` would sample.
 
 Low-rank members (`es_search_space="lowrank"`, colocate mode) are LoRA adapters of the engine, one slot per member
-of a call (`VLLMWeights.lowrank_members`), so one `generate` carries the whole population.
+of a call (`VLLMWeights.lowrank_members`), so one `generate` carries the whole population. So are the members of a
+LoRA adapter ES trains (`peft_config`, `es_adapter_only`; `VLLMWeights.members`): the engine holds the adapter's
+base, slot 0 the adapter's θ, slots 1.. the step's members.
 """
 
 from __future__ import annotations

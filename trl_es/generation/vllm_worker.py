@@ -26,6 +26,14 @@ its slot in place (vLLM's `lora_a_stacked` ← Bᵀ, `lora_b_stacked` ← σ·si
 σ·sign·A·Bᵀ/√r), so one generate call carries all of them, each request routed to its member's adapter. The
 adapters are zero-initialised placeholders registered once (`es_lowrank_init`), pinned, and never loaded from files.
 
+Adapter mode (ES trains a LoRA adapter, `es_adapter_init`): the worker's tensors are the adapter's A and B weights,
+the base stays as vLLM loaded it, and what a full model's tensors are written into goes into LoRA slots instead —
+slot 0 holds the evaluated adapter (θ, or `es_perturb`'s member), slots 1.. the members of one call
+(`es_adapter_members`), each A + scale·ε_A and scaling·(B + scale·ε_B) built with the trainer's `LocalWeights`.
+
+With a float32 θ over a bfloat16 or float16 engine (mixed precision), the worker keeps θ as a float32 master on the
+host; vLLM's tensors hold its cast (`LocalWeights(master=...)`).
+
 The trainer resets vLLM's prefix cache after each call that changes weights or adapters.
 """
 
