@@ -3,6 +3,7 @@
     python benchmarks/learning.py [--minutes 10] [--marks 5] [--seeds 0,1,2] [--methods grpo,es] [--out D]
     python benchmarks/learning.py --task small_sums_last --samples 32 --temperature 0.6   # the research's protocol
     python benchmarks/learning.py --methods es,anchor-0.1,anchor-0.3 --samples 0   # anchored decay: learning vs drift
+    python benchmarks/learning.py --methods es,full-vllm-n32,lowrank-vllm-n64 --sigma 1e-3 --alpha 2e-3   # engines
 
 Every run starts from SmolLM2-135M-Instruct and trains on small sums (`first_integer_reward`, 12 new tokens) for
 `--minutes` of wall clock. At `--marks` evenly spaced points of that budget the weights are saved (the saving time
@@ -66,6 +67,26 @@ at step 14, 0.4× it at step 32. `more-members` spends the demo's 64 completions
 instead of 8 × 8, with α × √2 to keep the step's norm ((1/N)·Σ z_i ε_i shrinks as 1/√N). `sampled-groups` scores
 each member on 4 completions of each of 4 prompts sampled at T=0.7: a member's score averages 16 sampled
 completions, where `sampled` has 8 at T=1."""
+VLLM = {"use_vllm": True, "vllm_max_model_length": 2048}
+"""ES's population through an in-process vLLM engine (members written in place, or low-rank ones in LoRA slots)."""
+
+
+def engine_variants() -> dict[str, dict]:
+    """Each ES engine at N = 8, 32, 64 (`full-n8` is `es`): α × √(N/8) keeps the step's norm as `more-members`
+    does; σ is the demo's (a sweep passes `--sigma`/`--alpha` to change both)."""
+    variants = {}
+    for n in (8, 32, 64):
+        larger = {"population_size": n, "learning_rate": round(ES["learning_rate"] * (n / 8) ** 0.5, 5)}
+        variants |= {
+            f"full-vllm-n{n}": {**larger, **VLLM},
+            f"lowrank-vllm-n{n}": {**larger, **VLLM, "es_search_space": "lowrank"},
+        }
+        if n > 8:
+            variants[f"full-n{n}"] = larger
+    return variants
+
+
+SETTINGS |= engine_variants()
 SEQUENCES = {"grpo-es": ("grpo", "es"), "es-grpo": ("es", "grpo")}
 """Two methods in sequence, each for half the budget (the research's GRPO → ES and ES → GRPO)."""
 
@@ -73,6 +94,10 @@ SEQUENCES = {"grpo-es": ("grpo", "es"), "es-grpo": ("es", "grpo")}
 TASK = {"name": "small_sums", "samples": 8, "temperature": 1.0}
 """The task trained and scored, and the sampled scoring's completions per problem and temperature (`--task`,
 `--samples`, `--temperature`; the research's protocol: `--task small_sums_last --samples 32 --temperature 0.6`)."""
+
+
+SWEEP = {}
+"""σ and α for every ES method of this run (`--sigma`, `--alpha`): one point of a sweep."""
 
 
 def train(method: str, seed: int, minutes: float, marks: int, folder: str) -> list[dict]:
@@ -113,7 +138,7 @@ def stage(method: str, seed: int, minutes: float, marks: int, folder: str, model
     else:
         from trl_es import ESConfig, ESTrainer
 
-        args = ESConfig(**{**common, "generation_kwargs": {"do_sample": False}, **ES, **SETTINGS[method]})
+        args = ESConfig(**{**common, "generation_kwargs": {"do_sample": False}, **ES, **SETTINGS[method], **SWEEP})
         per_step = args.population_size * args.per_device_train_batch_size * args.num_generations
         trainer = ESTrainer(model, task.reward, args=args, train_dataset=task.load("train"),
                             callbacks=[budget])  # fmt: skip
@@ -201,6 +226,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=TASK["samples"], help="sampled completions per problem "
                         "(0: greedy accuracy and KL drift only)")  # fmt: skip
     parser.add_argument("--temperature", type=float, default=TASK["temperature"], help="of the sampled scoring")
+    parser.add_argument("--sigma", type=float, help="σ of every ES method (a sweep's point; default each one's)")
+    parser.add_argument("--alpha", type=float, help="α of every ES method (a sweep's point; default each one's)")
     parser.add_argument("--out", default="outputs/learning")
     parser.add_argument("--plot", default="docs/img/learning_curves.png")
     parser.add_argument("--report", nargs="+", metavar="RESULTS", help="only print the table and plot of "
@@ -208,6 +235,7 @@ def main() -> None:
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "SEED"), help=argparse.SUPPRESS)
     options = parser.parse_args()
     TASK.update(name=options.task, samples=options.samples, temperature=options.temperature)
+    SWEEP.update({key: value for key, value in (("sigma", options.sigma), ("learning_rate", options.alpha)) if value})
     task_options = [
         "--task",
         options.task,
@@ -215,6 +243,12 @@ def main() -> None:
         str(options.samples),
         "--temperature",
         str(options.temperature),
+        *[
+            flag
+            for key, value in (("--sigma", options.sigma), ("--alpha", options.alpha))
+            if value
+            for flag in (key, str(value))
+        ],
     ]
     if options.report:
         results = [run for path in options.report for run in json.load(open(path))["results"]]
@@ -247,8 +281,8 @@ def main() -> None:
             print(f"{method} seed {seed}: greedy {last['greedy']:.3f}, KL drift {last['kl_drift']:.4f} after "
                   f"{last['step']} steps, {last['seconds']:.0f} s", flush=True)  # fmt: skip
             with open(os.path.join(options.out, "results.json"), "w") as file:  # after every run: nothing is lost
-                json.dump({"minutes": options.minutes, "marks": options.marks, "task": dict(TASK), "results": results},
-                          file, indent=1)  # fmt: skip
+                json.dump({"minutes": options.minutes, "marks": options.marks, "task": dict(TASK), "sweep": dict(SWEEP),
+                           "results": results}, file, indent=1)  # fmt: skip
     report(results, methods, options.plot)
 
 

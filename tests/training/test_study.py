@@ -183,3 +183,44 @@ def test_tables_say_when_the_entropy_was_not_scored(tmp_path):
         assert "| base | " in text and note in text
     results["models"]["base"]["eval"] = {**scores, "mean_token_entropy": 1.5}
     assert note not in write_table(results, tmp_path / "one.md")
+
+
+def test_each_method_trains_with_the_search_space_and_engine_asked(tmp_path, monkeypatch):
+    """--es-space, --es-population/-sigma/-learning-rate and --es-vllm reach ESConfig, --grpo-vllm GRPOConfig, and
+    the recorded settings say which engine each used; without them the settings are the calibrated ones exactly
+    (so a stage trained before these options existed still resumes)."""
+    from trl import GRPOConfig
+
+    from trl_es import ESConfig
+
+    monkeypatch.setattr(study_module, "study", lambda options: options)
+    plain = study(["--out", str(tmp_path / "study")])
+    assert study_module.stage_settings("es", plain) == {"trainer": "trl_es.ESTrainer", **study_module.ES_SETTINGS,
+                                                        "do_sample": False}  # fmt: skip
+    assert study_module.stage_settings("grpo", plain) == {"trainer": "trl.GRPOTrainer", **study_module.GRPO_SETTINGS}
+
+    options = study(["--es-space", "lowrank", "--es-population", "32", "--es-sigma", "1e-3", "--es-learning-rate",
+                     "2e-3", "--es-vllm", "--grpo-vllm"])  # fmt: skip
+    es = ESConfig(output_dir=str(tmp_path / "es"), **study_module.trainer_settings("es", options))
+    assert (es.es_search_space, es.population_size, es.sigma, es.learning_rate) == ("lowrank", 32, 1e-3, 2e-3)
+    assert es.use_vllm and es.vllm_mode == "colocate" and study_module.stage_settings("es", options)["use_vllm"]
+    grpo = GRPOConfig(
+        output_dir=str(tmp_path / "grpo"), use_cpu=True, **study_module.trainer_settings("grpo", options)
+    )
+    assert grpo.use_vllm and grpo.vllm_mode == "colocate" and grpo.learning_rate == 1e-5
+    with pytest.raises(SystemExit):
+        study(["--es-space", "merge"])
+
+
+def test_bad_engine_and_population_settings_are_refused_before_training(tmp_path, tiny_model_dir, monkeypatch):
+    """GRPOTrainer's vLLM weight sync fails inside vLLM's CPU backend after minutes of set-up; a population of one
+    member has no spread to learn from."""
+    monkeypatch.setattr(study_module.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--grpo-vllm needs a GPU: GRPOTrainer's weight sync"):
+        study([*quick(tmp_path / "study", tiny_model_dir, "es,grpo"), "--grpo-vllm"])
+    with monkeypatch.context() as patch:  # ES alone on CPU with --grpo-vllm: nothing trains GRPO, nothing refused
+        patch.setattr(study_module, "study", lambda options: options)
+        study_module.check_study(study([*quick(tmp_path / "study", tiny_model_dir, "es"), "--grpo-vllm"]))
+    with pytest.raises(ValueError, match="--es-population must be ≥ 2 members, got 1"):
+        study([*quick(tmp_path / "study", tiny_model_dir, "es"), "--es-population", "1"])
+    assert not (tmp_path / "study").exists()

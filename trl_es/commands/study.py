@@ -6,7 +6,10 @@ Each method trains from the same model on the same prompts in the same order (no
 and the same completion length, until the budget of wall clock has passed (the step running then finishes):
 `grpo` is TRL's GRPOTrainer (4 prompts × 4 completions per step, lr 1e-5), `es` is ESTrainer with the demo's
 calibrated settings (N=8, σ=5e-3, α=5e-3, 8 prompts per step, greedy members, or sampling ones with --es-sample;
-`--es-anchor-decay λ` pulls it toward the base after each update).
+`--es-population`, `--es-sigma`, `--es-learning-rate` and `--es-space lowrank` change them; `--es-anchor-decay λ`
+pulls it toward the base after each update). Both train on transformers unless `--es-vllm` (ES's population
+through an in-process vLLM engine: members in place, or low-rank ones in LoRA slots) or `--grpo-vllm` (GRPOTrainer
+with vLLM colocate, GPU only); the recorded settings say which engine each used (`use_vllm`).
 `grpo-es` continues the `grpo` result with ES for another budget, `es-grpo` the `es` result with GRPO: two budgets
 in all. Then the base and every result are evaluated on the task's held-out problems with the research's sampling
 (`trl_es.evaluation`, through vLLM with `--use-vllm`: temperature 0.6, `--temperature` to change it; Pass@K and
@@ -62,6 +65,9 @@ ES_SETTINGS = {"population_size": 8, "sigma": 5e-3, "learning_rate": 5e-3, "per_
 """The demo's calibrated ES settings (trl_es.commands.demo); members generate greedily unless --es-sample."""
 GRPO_SETTINGS = {"learning_rate": 1e-5, "per_device_train_batch_size": 16, "num_generations": 4, "bf16": False}
 """TRL GRPOTrainer: 4 prompts × 4 completions per step, lr 1e-5 (TRL's default 1e-6 barely moves in minutes)."""
+VLLM_MAX_MODEL_LENGTH = 2048
+"""The context of a training engine (`--es-vllm`, `--grpo-vllm`): prompts and completions of the tasks fit, and the
+KV cache stays small on CPU (the model's own 8192 for SmolLM2 would reserve four times as much)."""
 OFF_TASK_TEXTS = [
     "The river bends twice before it reaches the old mill at the edge of the village.",
     "She packed a thermos of tea, two apples and a map that was already falling apart at the folds.",
@@ -108,12 +114,28 @@ class Budget(TrainerCallback):
         return control
 
 
-def stage_settings(kind: str, options) -> dict:
-    """What a stage of `kind` ("es" or "grpo") trains with, as printed and saved."""
+def trainer_settings(kind: str, options) -> dict:
+    """The config fields a stage of `kind` ("es" or "grpo") sets besides the common ones: the calibrated settings
+    with the command's overrides (ES's population, σ, α and search space; either method's vLLM engine). Fields at
+    their default are left out, so that a stage trained before an option existed still resumes."""
+    engine = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": VLLM_MAX_MODEL_LENGTH}
     if kind == "grpo":
-        return {"trainer": "trl.GRPOTrainer", **GRPO_SETTINGS}
-    anchor = {"es_anchor_decay": options.es_anchor_decay} if options.es_anchor_decay else {}
-    return {"trainer": "trl_es.ESTrainer", **ES_SETTINGS, **anchor, "do_sample": options.es_sample}
+        return {**GRPO_SETTINGS, **(engine if options.grpo_vllm else {})}
+    overrides = {"population_size": options.es_population, "sigma": options.es_sigma,
+                 "learning_rate": options.es_learning_rate}  # fmt: skip
+    settings = {**ES_SETTINGS, **{key: value for key, value in overrides.items() if value is not None}}
+    if options.es_space != "full":
+        settings["es_search_space"] = options.es_space
+    if options.es_anchor_decay:
+        settings["es_anchor_decay"] = options.es_anchor_decay
+    return {**settings, **(engine if options.es_vllm else {})}
+
+
+def stage_settings(kind: str, options) -> dict:
+    """What a stage of `kind` ("es" or "grpo") trains with, as printed and saved (the engine: `use_vllm`)."""
+    if kind == "grpo":
+        return {"trainer": "trl.GRPOTrainer", **trainer_settings(kind, options)}
+    return {"trainer": "trl_es.ESTrainer", **trainer_settings(kind, options), "do_sample": options.es_sample}
 
 
 def train(kind: str, model: str, output_dir: str, dataset, options) -> dict:
@@ -126,14 +148,15 @@ def train(kind: str, model: str, output_dir: str, dataset, options) -> dict:
     if kind == "grpo":
         from trl import GRPOConfig, GRPOTrainer
 
-        args = GRPOConfig(**common, **GRPO_SETTINGS)
+        args = GRPOConfig(**common, **trainer_settings(kind, options))
         trainer = GRPOTrainer(model, options.reward_funcs, args=args, train_dataset=dataset, callbacks=[budget])
         completions_per_step = args.per_device_train_batch_size
     else:
         from .. import ESConfig, ESTrainer
 
-        args = ESConfig(**common, **ES_SETTINGS, es_anchor_decay=options.es_anchor_decay,
-                        generation_kwargs={"do_sample": options.es_sample})  # fmt: skip
+        args = ESConfig(
+            **common, **trainer_settings(kind, options), generation_kwargs={"do_sample": options.es_sample}
+        )
         trainer = ESTrainer(model, options.reward_funcs, args=args, train_dataset=dataset, callbacks=[budget])
         completions_per_step = args.population_size * args.per_device_train_batch_size * args.num_generations
     budget.tokenizer = trainer.processing_class
@@ -255,6 +278,15 @@ def check_study(options) -> None:
             raise ValueError(f"unknown method {method!r}: choose from {', '.join(METHODS)}")
         if "-" in method and first not in options.methods:
             raise ValueError(f"{method} continues the {first} result: list {first} among the methods too")
+    trains_grpo = any("grpo" in method.split("-") for method in options.methods)
+    if options.grpo_vllm and trains_grpo and not torch.cuda.is_available():
+        raise ValueError(
+            "--grpo-vllm needs a GPU: GRPOTrainer's weight sync into vLLM fails on vLLM's CPU backend (0.32: its CPU "
+            "linear layers keep packed weights without a weight_loader). Leave GRPO on transformers (its fastest "
+            "engine on CPU) or run on a GPU"
+        )
+    if options.es_population is not None and options.es_population < 2:
+        raise ValueError(f"--es-population must be ≥ 2 members, got {options.es_population}")
     if options.marks < 1:
         raise ValueError(f"--marks must be ≥ 1, got {options.marks}")
     if options.budget_minutes <= 0:
@@ -321,6 +353,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-completion-length", type=int, default=None, help="default: the task's")
     parser.add_argument("--es-sample", action="store_true", help="ES members sample (temperature 1) as GRPO's "
                         "completions do, instead of generating greedily as the demo's")  # fmt: skip
+    parser.add_argument("--es-space", default="full", choices=("full", "lowrank"), help="ES's search space: full-rank "
+                        "members, or low-rank ones (es_search_space='lowrank', EGGROLL)")  # fmt: skip
+    parser.add_argument("--es-population", type=int, default=None, help=f"ES's population size N (default "
+                        f"{ES_SETTINGS['population_size']})")  # fmt: skip
+    parser.add_argument("--es-sigma", type=float, default=None, help=f"ES's σ (default {ES_SETTINGS['sigma']})")
+    parser.add_argument("--es-learning-rate", type=float, default=None, help=f"ES's α (default "
+                        f"{ES_SETTINGS['learning_rate']})")  # fmt: skip
+    parser.add_argument("--es-vllm", action="store_true", help="ES trains through an in-process vLLM engine: "
+                        "full-rank members written into its weights, low-rank ones in its LoRA slots, the population "
+                        "in one call")  # fmt: skip
+    parser.add_argument("--grpo-vllm", action="store_true", help="GRPOTrainer generates with vLLM colocate "
+                        "(use_vllm=True; GPU only: its weight sync fails on vLLM's CPU backend)")  # fmt: skip
     parser.add_argument("--es-anchor-decay", type=float, default=0.0, help="ES's anchored decay λ (es_anchor_decay): "
                         "θ ← θ − λ·(θ − θ₀) after each update; its KL drift and held-out change measure forgetting")  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=1_000_000, help="a cap on steps besides the budget")
@@ -333,7 +377,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "countdown) the base and every result are evaluated on: the held-out change table")  # fmt: skip
     parser.add_argument("--limit", type=int, default=64, help="held-out problems evaluated")
     parser.add_argument("--use-vllm", action="store_true", help="evaluate through an in-process vLLM engine (as "
-                        "`trl-es eval --use-vllm`; training is unchanged); no token entropy unless --vllm-entropy")  # fmt: skip
+                        "`trl-es eval --use-vllm`; training: --es-vllm, --grpo-vllm); no token entropy unless "
+                        "--vllm-entropy")  # fmt: skip
     parser.add_argument("--vllm-entropy", action="store_true", help="with --use-vllm, also score the token entropy "
                         "(as `trl-es eval --vllm-entropy`: costs more than generating on CPU)")  # fmt: skip
     parser.add_argument("--marks", type=int, default=1, help="points of each stage that are saved and evaluated: "
