@@ -35,6 +35,12 @@ def tiny_model_dir(tmp_path_factory, tokenizer_dir):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", tokenizer_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory, tokenizer_dir):
+    """A tiny Qwen3-MoE (4 fused experts, top-2) saved with SmolLM2's tokenizer."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_moe") / "model", tokenizer_dir, moe=True)
+
+
 @pytest.fixture
 def sandbox_uids(monkeypatch) -> SandboxUids:
     """The throwaway uids of this test's sandboxed runs (`.live_processes()`: what they left running)."""

@@ -18,10 +18,13 @@ REPOSITORY = TESTS.parent
 DATA = TESTS / "data"
 
 
-def build_tiny_model(path, tokenizer_dir, dtype=torch.float32, seed=0, **config_overrides):
-    """A 2-layer Llama with SmolLM2's vocabulary (≈0.8M parameters), saved with the tokenizer as a model dir.
-    `config_overrides` replace LlamaConfig fields (vLLM's CPU attention needs heads of ≥32 dimensions)."""
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+def build_tiny_model(path, tokenizer_dir, dtype=torch.float32, seed=0, moe=False, **config_overrides):
+    """A 2-layer Llama with SmolLM2's vocabulary (≈0.8M parameters), saved with the tokenizer as a model dir;
+    `moe=True`: a 2-layer Qwen3-MoE instead (4 experts, top-2, fused 3-D expert tensors; heads of 32 dimensions so
+    vLLM's CPU attention runs it too). `config_overrides` replace config fields (vLLM's CPU attention needs heads of
+    ≥32 dimensions)."""
+    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig
+    from transformers import Qwen3MoeForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     values = dict(
@@ -37,9 +40,13 @@ def build_tiny_model(path, tokenizer_dir, dtype=torch.float32, seed=0, **config_
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    config = LlamaConfig(**{**values, **config_overrides})
+    if moe:
+        values.update(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, head_dim=32, num_experts=4,
+                      num_experts_per_tok=2, norm_topk_prob=True)  # fmt: skip
+    config_class, model_class = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (LlamaConfig, LlamaForCausalLM)
+    config = config_class(**{**values, **config_overrides})
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(dtype)
+    model = model_class(config).to(dtype)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
