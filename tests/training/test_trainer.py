@@ -336,18 +336,3 @@ def test_a_vision_language_model_is_refused(tmp_path, prompt_dataset):
     with pytest.raises(ValueError, match="vision-language model: ESTrainer does not pass images"):
         ESTrainer(model, even_token_share, args=config(tmp_path), train_dataset=prompt_dataset)
 
-
-def test_lowrank_says_a_mixture_of_experts_fused_experts_stay_fixed(tmp_path, tokenizer_dir, prompt_dataset):
-    """Low-rank ES perturbs nn.Linear weights; a Qwen3-MoE's experts are fused 3-D tensors, which it leaves fixed:
-    a warning names them (full ES trains them)."""
-    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    moe = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
-    args = config(tmp_path, es_search_space="lowrank")
-    with pytest.warns(UserWarning, match=r"2 selected tensors of more than 2 dimensions.*experts\.gate_up_proj"):
-        ESTrainer(Qwen3MoeForCausalLM(moe), even_token_share, args=args, train_dataset=prompt_dataset,
-                  processing_class=tokenizer)  # fmt: skip

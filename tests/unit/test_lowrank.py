@@ -1,5 +1,5 @@
-"""Low-rank (EGGROLL-style) perturbations: factors, the batched population against explicitly perturbed copies,
-exact restore, the update."""
+"""Low-rank (EGGROLL-style) perturbations: factors, the batched population against explicitly perturbed copies
+(a mixture of experts' fused experts and routers included), exact restore, the update."""
 
 import copy
 import math
@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trl_es.es import select_parameters
-from trl_es.es.lowrank import LowRankPopulation, lowrank_factors, lowrank_targets, lowrank_update
+from trl_es.es.lowrank import LowRankPopulation, apply_lowrank_update, lowrank_factors, lowrank_targets, lowrank_update
 
 
 SIGMA = 0.05
@@ -25,9 +25,21 @@ def targets_of(model):
     return lowrank_targets(model, select_parameters(model.named_parameters()))
 
 
+@pytest.fixture
+def moe(tiny_moe_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_moe_dir).eval()
+
+
 def noise(seed, name, shape, rank):
+    """A·Bᵀ/√r, one such matrix per expert of a fused (E × out × in) shape, built expert by expert."""
     a, b = lowrank_factors(seed, name, shape, rank)
+    if len(shape) == 3:
+        return torch.stack([a[e] @ b[e].T for e in range(shape[0])]) / math.sqrt(rank)
     return a @ b.T / math.sqrt(rank)
+
+
+def target_weight(module, name):
+    return getattr(module, name.rpartition(".")[2])
 
 
 def explicit_member(model, member, rank, sigma=SIGMA):
@@ -36,7 +48,8 @@ def explicit_member(model, member, rank, sigma=SIGMA):
     if member >= 0:
         with torch.no_grad():
             for name, module in targets_of(member_model).items():
-                module.weight.add_(sigma * SIGNS[member] * noise(SEEDS[member], name, module.weight.shape, rank))
+                weight = target_weight(module, name)
+                weight.add_(sigma * SIGNS[member] * noise(SEEDS[member], name, weight.shape, rank))
     return member_model
 
 
@@ -49,6 +62,9 @@ def test_factors_are_a_pure_function_of_seed_and_name_with_unit_variance_noise()
     assert not torch.equal(a, lowrank_factors(4, "w", (512, 256), rank=4)[0])  # other member
     e = a @ b.T / 2
     assert abs(e.var().item() - 1) < 0.15 and abs(e.mean().item()) < 0.05
+    experts = lowrank_factors(3, "w", (3, 512, 256), rank=4)  # a fused expert tensor: factors per expert
+    assert experts[0].shape == (3, 512, 4) and experts[1].shape == (3, 256, 4)
+    assert len({experts[0][e].sum().item() for e in range(3)}) == 3
     half = lowrank_factors(3, "w", (512, 256), rank=4, dtype=torch.bfloat16)[0]
     assert half.dtype == torch.bfloat16 and torch.equal(half, a.bfloat16())
     with pytest.raises(ValueError, match="rank"):
@@ -76,6 +92,57 @@ def test_targets_are_the_linear_weights_and_exclude_a_tied_lm_head(model):
     assert set(lowrank_targets(untied, dict(untied.named_parameters()))) == {"head.weight"}
     tied = Toy(True)
     assert lowrank_targets(tied, dict(tied.named_parameters())) == {}
+
+
+def test_targets_of_a_mixture_of_experts_are_its_linears_fused_experts_and_routers(moe):
+    targets = targets_of(moe)
+    layer = moe.model.layers[0]
+    assert targets["model.layers.0.mlp.experts.gate_up_proj"] is layer.mlp.experts
+    assert targets["model.layers.0.mlp.experts.down_proj"] is layer.mlp.experts
+    assert targets["model.layers.0.mlp.gate.weight"] is layer.mlp.gate
+    assert targets["model.layers.0.self_attn.q_proj.weight"] is layer.self_attn.q_proj
+    assert len(targets) == 2 * 7  # per layer: q, k, v, o, the router and the two expert tensors
+
+
+@pytest.mark.parametrize("rank", [1, 2])
+def test_mixture_of_experts_batched_forward_equals_explicitly_perturbed_models(moe, rank):
+    """Each row sees its member's experts (one rank-r matrix per expert) and router, whichever experts it routes to;
+    the experts' and routers' own forwards come back on exit."""
+    row_members = [2, 0, -1, 1, 0]
+    input_ids = torch.randint(0, moe.config.vocab_size, (5, 7), generator=torch.Generator().manual_seed(0))
+    forwards = {m: m.forward for m in (moe.model.layers[0].mlp.experts, moe.model.layers[0].mlp.gate)}
+    with torch.no_grad():
+        centre = moe(input_ids).logits
+        with LowRankPopulation(targets_of(moe), SEEDS, SIGNS, SIGMA, rank) as route:
+            route(row_members)
+            batched = moe(input_ids).logits
+        routers_only = {n: m for n, m in targets_of(moe).items() if ".mlp.gate." in n}
+        with LowRankPopulation(routers_only, SEEDS, SIGNS, 0.5, rank) as route:
+            route(row_members)
+            rerouted = moe(input_ids).logits
+    for row, member in enumerate(row_members):
+        with torch.no_grad():
+            expected = explicit_member(moe, member, rank)(input_ids[row : row + 1]).logits[0]
+        torch.testing.assert_close(batched[row], expected, atol=1e-5, rtol=1e-5)
+        if member >= 0:  # the perturbation is not negligible, so the check above has teeth
+            assert (batched[row] - centre[row]).abs().max() > 1e-2
+            assert (rerouted[row] - centre[row]).abs().max() > 1e-2  # the routers alone move the logits
+    assert torch.equal(batched[2], centre[2]) and torch.equal(rerouted[2], centre[2])
+    assert all(m.forward == forward and "forward" not in m.__dict__ for m, forward in forwards.items())
+
+
+def test_mixture_of_experts_update_is_rank_r_per_expert(moe):
+    """The update adds to each expert e of a fused tensor Σ_s c_s·A_s,e·B_s,eᵀ/√r: a matrix of rank ≤ S·r per
+    expert, equal to the expert-by-expert sum."""
+    rank, coefficients = 2, {11: 0.3, 12: -0.2}
+    name = "model.layers.1.mlp.experts.down_proj"
+    weight = dict(moe.named_parameters())[name]
+    before = weight.detach().clone()
+    apply_lowrank_update({name: weight}, coefficients, rank)
+    delta = weight.detach() - before
+    expected = sum(c * noise(seed, name, weight.shape, rank) for seed, c in coefficients.items())
+    torch.testing.assert_close(delta, expected, atol=1e-6, rtol=1e-4)
+    assert all(torch.linalg.matrix_rank(delta[e]).item() == 2 * rank for e in range(weight.shape[0]))
 
 
 @pytest.mark.parametrize("rank", [1, 2])
