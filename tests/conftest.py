@@ -16,7 +16,7 @@ os.environ["TRL_ES_DATA"] = os.path.join(os.path.dirname(__file__), "data")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from helpers import SandboxUids, build_tiny_model  # noqa: E402
+from helpers import SandboxUids, build_tiny_model, build_tiny_vlm  # noqa: E402
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -39,6 +39,12 @@ def tiny_model_dir(tmp_path_factory, tokenizer_dir):
 def tiny_moe_dir(tmp_path_factory, tokenizer_dir):
     """A tiny Qwen3-MoE (4 fused experts, top-2) saved with SmolLM2's tokenizer."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_moe") / "model", tokenizer_dir, moe=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_dir(tmp_path_factory, tokenizer_dir):
+    """A tiny Idefics3 vision-language model saved with its processor (`build_tiny_vlm`)."""
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny_vlm") / "model", tokenizer_dir)
 
 
 @pytest.fixture

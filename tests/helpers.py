@@ -301,3 +301,50 @@ def dice_trainer(model_dir, out, **overrides):
                         processing_class=tool_tokenizer(model_dir))  # fmt: skip
     scripted(trainer, dice_script)
     return trainer
+
+
+# ---- A tiny vision-language model: tests/training/test_vlm.py and examples/es_vlm.py.
+
+
+def build_tiny_vlm(path, tokenizer_dir, seed=0):
+    """A tiny Idefics3 (the SmolVLM architecture; ≈3.3M parameters): a 1-layer SigLIP vision tower over 56×56 images
+    (14-pixel patches, pixel shuffle by 2: 4 image tokens an image), a connector, and a 2-layer Llama on SmolLM2's
+    vocabulary, saved with its processor (transformers' PIL image processor, no torchvision; SmolLM2's tokenizer with
+    the image tokens; TRL's Idefics3 chat template). Weights drawn with std 0.2, so that completions depend on the
+    image visibly. Loadable with AutoProcessor and AutoModelForImageTextToText."""
+    from transformers import AutoTokenizer, GenerationConfig, Idefics3Config, Idefics3ForConditionalGeneration
+    from transformers import Idefics3Processor
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from trl.chat_template_utils import idefics3_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": 56}, max_image_size={"longest_edge": 56}, do_image_splitting=False
+    )
+    processor = Idefics3Processor(image_processor, tokenizer, image_seq_len=4, chat_template=idefics3_chat_template)
+    end_of_turn = tokenizer.convert_tokens_to_ids(processor.end_of_utterance_token)
+    text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                initializer_range=0.2, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=56,
+                  patch_size=14, initializer_range=0.2)  # fmt: skip
+    config = Idefics3Config(text_config=text, vision_config=vision, image_token_id=processor.image_token_id,
+                            scale_factor=2, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    torch.manual_seed(seed)
+    model = Idefics3ForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=[tokenizer.eos_token_id, end_of_turn],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return str(path)
+
+
+def solid_image(value: int, size: int = 56):
+    """A size×size RGB image of one grey level."""
+    from PIL import Image
+
+    return Image.new("RGB", (size, size), (value, value, value))

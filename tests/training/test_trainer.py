@@ -317,22 +317,16 @@ def test_fsdp1_on_cpu_is_refused_before_any_weights_load(tmp_path, monkeypatch, 
 
 
 @pytest.mark.parametrize("column", ["image", "images"])
-def test_a_dataset_with_images_is_refused_not_trained_on_its_text(tmp_path, tiny_model_dir, prompt_dataset, column):
-    """GRPOTrainer shows a dataset's image(s) to a vision-language model; ESTrainer does not yet, and trained on the
-    text alone without a word: now it says so, for the train and the eval dataset."""
-    with_images = prompt_dataset.add_column(column, [None] * len(prompt_dataset))
-    for datasets in ({"train_dataset": with_images}, {"train_dataset": prompt_dataset, "eval_dataset": with_images}):
-        with pytest.raises(ValueError, match=f"has an '{column}' column.*does not pass images"):
+def test_images_for_a_text_model_are_refused_not_trained_on_their_text(tmp_path, tiny_model_dir, column):
+    """GRPOTrainer shows a dataset's image(s) to a vision-language model through its processor; a text model would
+    train on the text alone, so ESTrainer says so, for the train and the eval dataset (tests/training/test_vlm.py
+    trains a vision-language model on images)."""
+    from datasets import Dataset
+
+    chats = Dataset.from_dict({"prompt": [[{"role": "user", "content": "Count to 3:"}]] * 4})
+    with_images = chats.add_column(column, [None] * len(chats))
+    for datasets in ({"train_dataset": with_images}, {"train_dataset": chats, "eval_dataset": with_images}):
+        with pytest.raises(ValueError, match=f"has an '{column}' column.*a text-only model.*train on the text alone"):
             ESTrainer(tiny_model_dir, even_token_share, args=config(tmp_path), **datasets)
 
-
-def test_a_vision_language_model_is_refused(tmp_path, prompt_dataset):
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    text = dict(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=1, bos_token_id=0, eos_token_id=1)  # fmt: skip
-    vision = dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, in_channels=3)
-    model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision))
-    with pytest.raises(ValueError, match="vision-language model: ESTrainer does not pass images"):
-        ESTrainer(model, even_token_share, args=config(tmp_path), train_dataset=prompt_dataset)
 

@@ -443,9 +443,10 @@ def load_base(path: str, header: dict) -> torch.nn.Module:
 
 def replay(chain: Chain, base: str, out: str, steps: int | None = None, force: bool = False) -> None:
     """Rebuild the model after `steps` steps (default: all) from `base` into the new directory `out`: a normal HF
-    model directory (an adapter directory for adapter runs) with the base's tokenizer, written atomically."""
+    model directory (an adapter directory for adapter runs) with the base's tokenizer (a vision-language model's
+    processor), written atomically."""
     from ..util.atomic import atomic_directory
-    from ..util.models import load_tokenizer
+    from ..util.models import load_processing_class
 
     if os.path.lexists(out):  # a dangling symlink too
         raise ValueError(f"--out {out} already exists; choose a new directory")
@@ -455,4 +456,4 @@ def replay(chain: Chain, base: str, out: str, steps: int | None = None, force: b
     model = chain.apply(load_base(base, chain.header), steps, force)
     with atomic_directory(out) as staging:
         model.save_pretrained(staging)
-        load_tokenizer(base if os.path.isdir(base) else None, model).save_pretrained(staging)
+        load_processing_class(base if os.path.isdir(base) else None, model).save_pretrained(staging)

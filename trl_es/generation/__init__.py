@@ -4,10 +4,11 @@ served) whose workers hold the members' weights."""
 
 import dataclasses
 
-from transformers import GenerationConfig
+from transformers import GenerationConfig, ProcessorMixin
 
 from ..es.weights import LocalWeights
 from ..util.compat import SAMPLING_FIELDS
+from ..util.models import text_tokenizer
 from .base import Completions, Generation, compute_dtype
 from .transformers_backend import TransformersGeneration
 from .vllm_backend import VLLMGeneration, VLLMWeights, start_engine
@@ -31,17 +32,25 @@ def decoding_config(tokenizer, eos_token_ids: list[int], max_new_tokens: int, **
     return GenerationConfig(**settings, disable_compile=True)
 
 
-def generation_config(args, tokenizer, eos_token_ids: list[int]) -> GenerationConfig:
-    """The trainer's GenerationConfig from ESConfig's generation fields, as GRPOTrainer builds it."""
+def generation_config(args, tokenizer, eos_token_ids: list[int], image_token_id: int | None = None) -> GenerationConfig:
+    """The trainer's GenerationConfig from ESConfig's generation fields, as GRPOTrainer builds it: a vision-language
+    model never samples its image token (`image_token_id`), which would have no image features."""
     fields = [f.name for f in dataclasses.fields(args) if f.metadata.get("decoding")]
-    decoding = {name: getattr(args, name) for name in fields} | (args.generation_kwargs or {})  # kwargs override
+    decoding = {name: getattr(args, name) for name in fields}
+    if image_token_id is not None:
+        decoding["suppress_tokens"] = [image_token_id]
+    decoding |= args.generation_kwargs or {}  # kwargs override
     return decoding_config(tokenizer, eos_token_ids, args.max_completion_length, **decoding)
 
 
-def make_backend(model, tokenizer, eos_token_ids, args, accelerator, params):
+def make_backend(model, processing_class, eos_token_ids, args, accelerator, params):
     """(generation backend, weights backend) for ESConfig's `use_vllm` / `vllm_mode`: transformers `generate` and
-    `LocalWeights` over `params`, or vLLM and `VLLMWeights` (the trainer's tensors take the same updates)."""
-    generation_args = (model, tokenizer, generation_config(args, tokenizer, eos_token_ids), eos_token_ids)
+    `LocalWeights` over `params`, or vLLM and `VLLMWeights` (the trainer's tensors take the same updates).
+    `processing_class`: the tokenizer, or a vision-language model's processor (transformers path only)."""
+    tokenizer = text_tokenizer(processing_class)
+    image_token_id = model.config.image_token_id if isinstance(processing_class, ProcessorMixin) else None
+    config = generation_config(args, tokenizer, eos_token_ids, image_token_id)
+    generation_args = (model, processing_class, config, eos_token_ids)
     local = LocalWeights(params, args.seed, args.noise_table_size, storage_device="cpu")
     if not args.use_vllm:
         return TransformersGeneration(

@@ -1,6 +1,7 @@
 """What every generation backend shares: the `Completions` it returns, and `Generation`, the base that tokenizes
-prompts as GRPOTrainer does, warns when a prompt leaves no room in the model's context, and decodes completions;
-a backend implements `generate_ids` (one completion per row of prompt token ids)."""
+prompts as GRPOTrainer does (a vision-language model's through its processor, images included), warns when a prompt
+leaves no room in the model's context, and decodes completions; a backend implements `generate_ids` (one completion
+per row of prompt token ids, and of images for a vision-language model)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import warnings
 from dataclasses import dataclass, field, fields
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
-from trl.data_utils import is_conversational
+from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
+from trl.data_utils import is_conversational, prepare_multimodal_messages
+
+from ..util.models import text_tokenizer
 
 
 def compute_dtype(mixed_precision: str) -> torch.dtype | None:
@@ -28,6 +31,33 @@ def check_prompts(prompts: list, hint: str = "") -> None:
                 f"prompt {k} of this step is {'None' if prompt is None else 'empty'} ({prompt!r}): every row needs a "
                 f"prompt, text or a list of chat messages{hint}"
             )
+
+
+def row_prompts(rows: list[dict], default=None) -> list:
+    """Each row's prompt (`default` for a row without one) as GRPOTrainer shows it to the model and the reward
+    functions: with an 'images' column (a list) or an 'image' column (one), the row's images are put into its
+    conversation's first user message (TRL's `prepare_multimodal_messages`)."""
+    prompts = [row.get("prompt", default) for row in rows]
+    if rows and "images" in rows[0]:
+        images = [row.get("images") or [] for row in rows]
+    elif rows and "image" in rows[0]:
+        images = [[] if row.get("image") is None else [row["image"]] for row in rows]
+    else:
+        return prompts
+    return [prepare_multimodal_messages(p, images=i) if i else p for p, i in zip(prompts, images, strict=True)]
+
+
+def message_images(prompt) -> list:
+    """The images of a conversation's image blocks ({"type": "image", "image": ...}), in order ([] for text)."""
+    if isinstance(prompt, str):
+        return []
+    return [
+        part["image"]
+        for message in prompt
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if isinstance(part, dict) and part.get("type") == "image" and part.get("image") is not None
+    ]
 
 
 @dataclass
@@ -63,7 +93,8 @@ class Completions:
 
 
 class Generation:
-    """Tokenizes prompts as GRPOTrainer does (chat template for conversational prompts, plain text otherwise) and
+    """Tokenizes prompts as GRPOTrainer does (chat template for conversational prompts, plain text otherwise; a
+    vision-language model's conversations through its processor, which expands each image into its tokens) and
     decodes completions as it does; `generate_ids` is the backend's (transformers `generate`, or vLLM)."""
 
     records_entropy = False  # whether `generate(..., record_entropy=True)` gives each completion's token entropy
@@ -71,13 +102,14 @@ class Generation:
     def __init__(
         self,
         model: PreTrainedModel,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: PreTrainedTokenizerBase | ProcessorMixin,
         generation_config: GenerationConfig,
         eos_token_ids: list[int],
         chat_template_kwargs: dict | None = None,
     ):
         self.model = model
-        self.tokenizer = tokenizer
+        self.processor = tokenizer if isinstance(tokenizer, ProcessorMixin) else None
+        self.tokenizer = text_tokenizer(tokenizer)
         self.generation_config = generation_config
         self.eos_token_ids = eos_token_ids
         self.chat_template_kwargs = chat_template_kwargs or {}
@@ -89,7 +121,9 @@ class Generation:
         prompts = list(prompts)
         check_prompts(prompts)
         if is_conversational({"prompt": prompts[0]}):
-            ids = self.tokenizer.apply_chat_template(
+            if self.processor is not None:  # content blocks, as the processor's chat template takes them
+                prompts = [prepare_multimodal_messages(prompt) for prompt in prompts]
+            ids = (self.processor or self.tokenizer).apply_chat_template(
                 conversation=prompts,
                 add_generation_prompt=True,
                 tokenize=True,
@@ -125,12 +159,15 @@ class Generation:
         """`num_generations` completions of each prompt (prompt-major order), completion r sampled with `seeds[r]`
         (`trl_es.es.seeds.completion_seeds`); with `record_entropy`, also each completion's summed token entropy."""
         rows = [ids for ids in prompt_ids for _ in range(num_generations)]
-        completion_ids, truncated, entropy_sums = self.generate_ids(rows, seeds, record_entropy)
+        images = [message_images(prompt) for prompt in prompts for _ in range(num_generations)]
+        vision = {"images": images} if any(images) else {}  # each row its prompt's images
+        completion_ids, truncated, entropy_sums = self.generate_ids(rows, seeds, record_entropy, **vision)
         return self.completions(prompts, num_generations, completion_ids, truncated, entropy_sums)
 
-    def generate_ids(self, rows, seeds, record_entropy=False, max_new_tokens=None):
+    def generate_ids(self, rows, seeds, record_entropy=False, max_new_tokens=None, images=None):
         """(completion ids, each cut after its first EOS; whether each was truncated; summed token entropies or
-        None): one completion per row of prompt token ids, row r sampled with `seeds[r]`."""
+        None): one completion per row of prompt token ids, row r sampled with `seeds[r]`; `images[r]`, row r's
+        images in the order of their tokens (a vision-language model's; backends without vision take none)."""
         raise NotImplementedError
 
     def completions(self, prompts, num_generations, completion_ids, truncated, entropy_sums=None) -> Completions:

@@ -1,4 +1,5 @@
-"""The default generation backend: transformers' `generate` on the trainer's own model (CPU or GPU)."""
+"""The default generation backend: transformers' `generate` on the trainer's own model (CPU or GPU), images
+included for a vision-language model."""
 
 from __future__ import annotations
 
@@ -103,16 +104,38 @@ class TransformersGeneration(Generation):
         super().__init__(*args, **kwargs)
         self.compute_dtype = compute_dtype
 
+    def vision_inputs(self, input_ids: torch.Tensor, images: list[list]) -> dict[str, torch.Tensor]:
+        """What a vision-language model's `generate` takes besides the token ids, for rows whose image tokens the
+        processor has already expanded: the image processor's tensors of each row's images (`images[r]`, in the
+        order of their tokens; pixel_values and what comes with them, e.g. image_grid_thw), and the per-token type
+        ids the processor gives its model (1 at image tokens), as GRPOTrainer builds them for tool images."""
+        if self.processor is None:
+            raise ValueError(
+                "images reached the generation of a model without a processor: a vision-language model and its "
+                "processor (ESTrainer's processing_class) show them to the model"
+            )
+        inputs = dict(self.processor.image_processor(images=[list(row) for row in images], return_tensors="pt"))
+        image_token_id = getattr(self.processor, "image_token_id", None) or self.model.config.image_token_id
+        for name in {"mm_token_type_ids", "token_type_ids"} & set(self.processor.model_input_names):
+            inputs[name] = (input_ids == image_token_id).long()
+        return inputs
+
     @torch.no_grad()
     def generate_ids(
-        self, rows: list[list[int]], seeds: list[int], record_entropy: bool = False, max_new_tokens: int | None = None
+        self,
+        rows: list[list[int]],
+        seeds: list[int],
+        record_entropy: bool = False,
+        max_new_tokens: int | None = None,
+        images: list[list] | None = None,
     ) -> tuple[list[list[int]], list[bool], list[float] | None]:
         """One completion per row of prompt token ids, in one left-padded batch: (completion ids, each cut after its
         first EOS; whether it was truncated; its summed token entropy, with `record_entropy`). Row r samples from a
         generator of its own seeded by `seeds[r]` (`SeededSampler`), so its tokens never depend on the other rows;
         greedy decoding (`do_sample=False`) ignores the seeds, and beam sampling (`num_beams` > 1 in
         `generation_kwargs`) draws from torch's RNG seeded by `seeds[0]`, shared by the call's rows.
-        `max_new_tokens` overrides the config's."""
+        `max_new_tokens` overrides the config's. `images[r]`: row r's images, shown to a vision-language model
+        (`vision_inputs`)."""
         if len(seeds) != len(rows):
             raise ValueError(f"got {len(seeds)} sampling seeds for {len(rows)} rows")
         width = max(map(len, rows))
@@ -120,6 +143,7 @@ class TransformersGeneration(Generation):
         input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in rows])
         attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows])
         device = self.model.device
+        vision = self.vision_inputs(input_ids, images) if images else {}
         recorder = EntropyRecorder() if record_entropy else None
         config, processors = self.generation_config, [recorder] if recorder else []
         beams = (config.num_beams or 1) > 1  # beam sampling keeps transformers' sampler, seeded by the first row
@@ -138,6 +162,7 @@ class TransformersGeneration(Generation):
                 output = self.model.generate(
                     input_ids=input_ids.to(device),
                     attention_mask=attention_mask.to(device),
+                    **{name: tensor.to(device) for name, tensor in vision.items()},
                     generation_config=config,
                     synced_gpus=False,  # processes generate for different members, never in lockstep
                     logits_processor=LogitsProcessorList(processors),

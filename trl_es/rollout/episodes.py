@@ -45,12 +45,15 @@ from trl.chat_template_utils import (
     is_chat_template_prefix_preserving,
     supports_tool_calling,
 )
+from transformers import ProcessorMixin
+from trl.data_utils import prepare_multimodal_messages
 from trl.trainer.utils import is_async_callable, shutdown_event_loop_in_daemon, start_event_loop_in_daemon
 
 from ..es.seeds import environment_check_seed, environment_reward_seed, environment_seed, tool_seed, turn_seed
 from ..generation import Completions
-from ..generation.base import check_prompts
+from ..generation.base import check_prompts, message_images, row_prompts
 from ..util.compat import parse_response, parses_responses, tool_suffix_ids
+from ..util.models import text_tokenizer
 from .environments import (
     CHECK_ROUNDS,
     attribute_pictures,
@@ -60,6 +63,13 @@ from .environments import (
     seeded,
 )
 from .tools import MAX_NESTING, ToolTimeout, call_with_timeout, exit_guarded, nesting
+
+
+def appended(message: dict, observation: str):
+    """A message's content with an environment's `reset` observation appended (as a text block to content blocks,
+    as GRPOTrainer appends it)."""
+    content = message["content"]
+    return content + [{"type": "text", "text": observation}] if isinstance(content, list) else content + observation
 
 
 TOOL_TEMPLATE_HINT = (
@@ -84,6 +94,7 @@ class Episode:
     messages: list[dict] = field(default_factory=list)  # the completion: assistant and tool messages
     tool_calls: int = 0
     tool_failures: int = 0
+    images: list = field(default_factory=list)  # a vision-language model's: the prompt's, in the order of their tokens
 
 
 class Agents:
@@ -94,8 +105,12 @@ class Agents:
     records_entropy = False
     generation = None  # the generation backend, given by `make_rollout`
 
-    def __init__(self, tokenizer, args, tools: list[Callable] | None = None, environment_factory=None):
-        self.tokenizer, self.args = tokenizer, args
+    def __init__(self, processing_class, args, tools: list[Callable] | None = None, environment_factory=None):
+        """`processing_class`: the tokenizer, or a vision-language model's processor (which renders the prompts and
+        their images)."""
+        self.processing_class, self.args = processing_class, args
+        self.processor = processing_class if isinstance(processing_class, ProcessorMixin) else None
+        self.tokenizer = text_tokenizer(processing_class)
         self.standalone_tools = list(tools or [])
         self.factories = None
         self.multi_environment = isinstance(environment_factory, dict)
@@ -127,14 +142,14 @@ class Agents:
                 self.reward_funcs.append(environment_reward(type(instance), self._rewarding))
         self.handed = dict.fromkeys(self.pool, 0)  # name → how many of its instances the step's calls handed out
         if self.tools:
-            if not supports_tool_calling(tokenizer):
+            if not supports_tool_calling(processing_class):
                 raise ValueError(f"the tokenizer's chat template cannot call tools: {TOOL_TEMPLATE_HINT}")
-            if not parses_responses(tokenizer):
-                add_response_schema(tokenizer)
-        self.parses = parses_responses(tokenizer)  # as GRPOTrainer: else completions are text
+            if not parses_responses(self.tokenizer):
+                add_response_schema(processing_class)  # a processor's: on its tokenizer
+        self.parses = parses_responses(self.tokenizer)  # as GRPOTrainer: else completions are text
         self.chat_template = None
-        if self.tools and not is_chat_template_prefix_preserving(tokenizer):
-            self.chat_template = get_training_chat_template(tokenizer)
+        if self.tools and not is_chat_template_prefix_preserving(processing_class):
+            self.chat_template = get_training_chat_template(processing_class)
         self._loop = None
         if any(is_async_callable(tool) for tool in self.tools):
             self._thread, self._loop, ready = start_event_loop_in_daemon(name="ESTrainer-tool-loop")
@@ -279,20 +294,23 @@ class Agents:
             if name not in self.checked:
                 self._check(name, rows[k], self.args.seed)
         episodes = []
+        prompts = row_prompts(rows, default=[{"role": "user", "content": ""}])  # a row's images in its conversation
         for j in range(n_members):
             for k, row in enumerate(rows):
                 for g in range(n):
-                    prompt = copy.deepcopy(row.get("prompt", [{"role": "user", "content": ""}]))
+                    images = message_images(prompts[k])
+                    prompt = copy.deepcopy(prompts[k], memo={id(image): image for image in images})  # images shared
                     environment = self._instance(names[k]) if self.environments else None
                     if environment is not None:
                         observation = self._reset(environment, row, environment_seed(self.args.seed, key, k, g))
                         if observation is not None:
-                            prompt = prompt[:-1] + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
+                            prompt = prompt[:-1] + [{**prompt[-1], "content": appended(prompt[-1], observation)}]
                     tools = self.standalone_tools  # plus the methods of the episode's own environment instance
                     if environment is not None:
                         tools = tools + environment_methods(environment)[0]
                     e = len(episodes)
-                    episodes.append(Episode(j, prompt, environment, tools, self._tokenize(prompt, tools), seeds[e]))
+                    ids = self._tokenize(prompt, tools)
+                    episodes.append(Episode(j, prompt, environment, tools, ids, seeds[e], images=images))
         self._play(episodes, route, generation)
         eos = set(generation.eos_token_ids)
         return Completions(
@@ -307,7 +325,10 @@ class Agents:
         )
 
     def _tokenize(self, prompt: list, tools: list) -> list[int]:
-        return self.tokenizer.apply_chat_template(
+        """The prompt's token ids; a vision-language model's processor expands each image into its tokens."""
+        if self.processor is not None:  # content blocks, as the processor's chat template takes them
+            prompt = prepare_multimodal_messages(prompt)
+        ids = (self.processor or self.tokenizer).apply_chat_template(
             conversation=prompt,
             tools=tools or None,  # `or None`: some templates render tool boilerplate for tools=[]
             chat_template=self.chat_template,
@@ -316,6 +337,7 @@ class Agents:
             return_dict=True,
             **(self.args.chat_template_kwargs or {}),
         )["input_ids"]
+        return ids[0] if self.processor is not None else ids  # a processor's output is batched
 
     def _play(self, episodes: list[Episode], route, generation) -> None:
         """Turn 0 for every episode, then tool turns for those whose last message calls tools."""
@@ -330,7 +352,9 @@ class Agents:
             seeds = [episodes[e].seed if turn == 0 else turn_seed(episodes[e].seed, turn) for e in active]
             room = max(budget - len(episodes[e].completion_ids) for e in active)
             route([episodes[e].member for e in active])
-            new_ids, _, _ = generation.generate_ids(inputs, seeds, max_new_tokens=room)
+            images = [episodes[e].images for e in active]
+            vision = {"images": images} if any(images) else {}
+            new_ids, _, _ = generation.generate_ids(inputs, seeds, max_new_tokens=room, **vision)
             calling = []
             for e, ids in zip(active, new_ids, strict=True):
                 episode = episodes[e]
@@ -391,11 +415,17 @@ class Agents:
             {"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
             for name, result in zip(names, results, strict=True)
         ]
+        pictured = next((m["name"] for m in messages if message_images([m])), None)
+        if self.processor is not None and pictured is not None:
+            raise ValueError(
+                f"tool {pictured!r} returned an image: ESTrainer does not show a tool's images to a vision-language "
+                "model yet (GRPOTrainer does). Return text (e.g. a description of the image), or use GRPOTrainer"
+            )
         room = self.args.max_completion_length - len(episode.completion_ids)
         lengths = [len(m["content"]) for m in messages if isinstance(m["content"], str)]
         if any(length > room and length > room * self.longest_token for length in lengths):
             return False  # more tokens than the room left, whatever they are
-        suffix = tool_suffix_ids(self.tokenizer, self.chat_template, self.args.chat_template_kwargs, messages)
+        suffix = tool_suffix_ids(self.processing_class, self.chat_template, self.args.chat_template_kwargs, messages)
         total = len(episode.completion_ids) + len(suffix)
         context = self.max_model_length
         if total > self.args.max_completion_length or (context and len(episode.prompt_ids) + total >= context):

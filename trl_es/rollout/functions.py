@@ -10,6 +10,7 @@ from collections.abc import Callable
 from trl.data_utils import is_conversational
 
 from ..generation import Completions
+from ..generation.base import row_prompts
 from ..util.compat import parse_response, parses_responses
 
 
@@ -32,7 +33,7 @@ class RolloutFunction:
     def __call__(self, rows, n, seeds, n_members=1, route=None, key=None, record_entropy=False) -> Completions:
         if route is not None:
             route(0)  # the call's one member generates every row the function asks for
-        prompts = [row["prompt"] for row in rows for _ in range(n)]
+        prompts = [prompt for prompt in row_prompts(rows) for _ in range(n)]  # images put in, as GRPOTrainer does
         output = self.rollout_func(copy.deepcopy(prompts), self.trainer)
         missing = sorted(set(ROLLOUT_KEYS) - set(output))
         if missing:

@@ -10,7 +10,7 @@ import torch
 from accelerate.data_loader import BatchSamplerShard
 from datasets import Dataset, IterableDataset
 from torch.utils.data import DataLoader, SequentialSampler
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 from transformers.utils import logging
 from trl.trainer.grpo_config import GRPOConfig
 from trl.trainer.utils import disable_dropout_in_model, get_config_model_id
@@ -21,10 +21,12 @@ from ..util.models import (
     add_adapter,
     eos_token_ids,
     is_quantized_model,
+    is_vision_language,
+    load_processing_class,
     load_starting_model,
-    load_tokenizer,
     quantization_name,
     resolve_model,
+    text_tokenizer,
     with_pad_token,
 )
 from .config import GRPO_ONLY_FIELDS, ESConfig
@@ -43,9 +45,10 @@ def check_model_type(model) -> None:
 
 
 def prepare_model(model, args, processing_class=None, peft_config=None, quantization_config=None):
-    """(model, tokenizer, EOS ids) for ESTrainer's `model` argument as GRPOTrainer takes it: an id or path (loaded
-    with `args.model_init_kwargs` and `quantization_config`), a PreTrainedModel or a PeftModel; `peft_config` adds a
-    new adapter. A quantized model must carry the adapter ES trains (`check_quantized`). Dropout off, pad token set
+    """(model, processing class, EOS ids) for ESTrainer's `model` argument as GRPOTrainer takes it: an id or path
+    (loaded with `args.model_init_kwargs` and `quantization_config`), a PreTrainedModel or a PeftModel; `peft_config`
+    adds a new adapter. A quantized model must carry the adapter ES trains (`check_quantized`). The processing class
+    defaults to the model's (a vision-language model's processor, else its tokenizer). Dropout off, pad token set
     (the EOS when the tokenizer has none)."""
     model_path = resolve_model(model) if isinstance(model, str) else None
     if isinstance(model, str):
@@ -66,21 +69,16 @@ def prepare_model(model, args, processing_class=None, peft_config=None, quantiza
         if quantization_config is not None:
             logger.warning("`quantization_config` is ignored: the model is already instantiated.")
     check_model_type(model)
-    if getattr(model.config, "vision_config", None) is not None:
-        raise ValueError(
-            f"{type(model).__name__} is a vision-language model: ESTrainer does not pass images to it yet (it would "
-            "train on text alone). Use GRPOTrainer for vision-language training"
-        )
     if peft_config is not None:
         model = add_adapter(model, peft_config, args.seed)
     check_quantized(model)
     if processing_class is None:
-        processing_class = load_tokenizer(model_path, model, args.trust_remote_code)
-    tokenizer = check_tokenizer(processing_class, model)
+        processing_class = load_processing_class(model_path, model, args.trust_remote_code)
+    tokenizer = check_processing_class(processing_class, model)
     model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     disable_dropout_in_model(model)
-    return model, tokenizer, eos_token_ids(model, tokenizer)
+    return model, processing_class, eos_token_ids(model, tokenizer)
 
 
 def check_quantized(model) -> None:
@@ -192,10 +190,20 @@ def keep_theta_in_float32(params: dict, mixed_precision: str) -> None:
         )
 
 
-def check_tokenizer(tokenizer, model) -> PreTrainedTokenizerBase:
-    """The tokenizer, checked against the model, with a pad token (its EOS when it has none)."""
-    if not isinstance(tokenizer, PreTrainedTokenizerBase):
-        raise TypeError("`processing_class` must be a tokenizer (PreTrainedTokenizerBase); ESTrainer is text-only")
+def check_processing_class(processing_class, model) -> PreTrainedTokenizerBase:
+    """The text tokenizer of `processing_class` (a tokenizer, or a vision-language model's processor), checked
+    against the model, with a pad token (its EOS when it has none)."""
+    if isinstance(processing_class, ProcessorMixin) and not is_vision_language(model):
+        raise TypeError(
+            f"`processing_class` is a processor ({type(processing_class).__name__}) but {type(model).__name__} is "
+            "not a vision-language model (its config has no vision_config): pass its tokenizer"
+        )
+    if not isinstance(processing_class, (PreTrainedTokenizerBase, ProcessorMixin)):
+        raise TypeError(
+            "`processing_class` must be a tokenizer (PreTrainedTokenizerBase) or, for a vision-language model, a "
+            f"processor (ProcessorMixin); got {type(processing_class).__name__}"
+        )
+    tokenizer = text_tokenizer(processing_class)
     rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows:
         raise ValueError(
@@ -205,6 +213,35 @@ def check_tokenizer(tokenizer, model) -> PreTrainedTokenizerBase:
     return with_pad_token(tokenizer)
 
 
+def image_column(dataset) -> str | None:
+    """The column GRPOTrainer reads a row's images from: 'images' (a list), else 'image' (one); None without."""
+    columns = getattr(dataset, "column_names", None) or ()
+    return next((name for name in ("images", "image") if name in columns), None)
+
+
+def check_image_data(datasets: list, processing_class, model, args) -> None:
+    """A ValueError for dataset images this run cannot show the model, before anything is built: an 'image' or
+    'images' column needs a vision-language model with its processor (else the model would train on the text
+    alone), and the transformers generation path (vLLM is not given images yet)."""
+    for dataset in datasets:
+        column = image_column(dataset)
+        if column is None:
+            continue
+        if not is_vision_language(model) or not isinstance(processing_class, ProcessorMixin):
+            what = "a processing class that is a tokenizer" if is_vision_language(model) else "a text-only model"
+            raise ValueError(
+                f"the dataset has an {column!r} column, which GRPOTrainer shows to a vision-language model through "
+                f"its processor, but this run has {what} ({type(model).__name__}): it would train on the text alone. "
+                "Use a vision-language model with its processor (the default processing_class), or remove the column"
+            )
+    if args.use_vllm and is_vision_language(model):
+        raise ValueError(
+            f"use_vllm=True with a vision-language model ({type(model).__name__}): ESTrainer does not pass images to "
+            "vLLM yet (nor load a vision-language model into it). Use the transformers generation path "
+            "(use_vllm=False), which shows each prompt's images to every member"
+        )
+
+
 def check_prompt_dataset(dataset, name: str = "train_dataset") -> None:
     """A clear error unless `dataset` has a 'prompt' column of text or chat messages (checked on its first row)."""
     if dataset is None:
@@ -212,13 +249,6 @@ def check_prompt_dataset(dataset, name: str = "train_dataset") -> None:
     columns = getattr(dataset, "column_names", None)
     if columns is not None and "prompt" not in columns:
         raise ValueError(f"`{name}` has no 'prompt' column (columns: {columns})")
-    images = sorted({"image", "images"} & set(columns or ()))
-    if images:
-        raise ValueError(
-            f"`{name}` has an {images[0]!r} column: GRPOTrainer shows it to a vision-language model, and ESTrainer "
-            "does not pass images to the model yet (it would train on the text alone). Remove the column to train "
-            "on the text, or use GRPOTrainer for vision-language training"
-        )
     if isinstance(dataset, Dataset):
         if len(dataset) == 0:
             raise ValueError(f"`{name}` is empty")
@@ -230,6 +260,12 @@ def check_prompt_dataset(dataset, name: str = "train_dataset") -> None:
             raise ValueError(
                 "each 'prompt' must be text or a list of {'role', 'content'} messages; row 0 holds "
                 f"{type(prompt).__name__}: {prompt!r:.80}"
+            )
+        if image_column(dataset) and not is_messages:
+            raise ValueError(
+                f"`{name}` has an {image_column(dataset)!r} column and text prompts: images go into a conversation, "
+                "as in GRPOTrainer. Give the prompts as lists of chat messages (not with the chat template already "
+                "applied), and the trainer puts each row's images into its first user message"
             )
 
 
@@ -248,6 +284,25 @@ def check_eval_dataset(eval_dataset, train_dataset) -> None:
             f"`eval_dataset` lacks column(s) {missing} that `train_dataset` has: the reward functions read the same "
             "columns in both"
         )
+
+
+def eval_datasets(eval_dataset) -> list:
+    """The eval dataset, or each of a dict of them (e.g. a DatasetDict), as a list ([] for None)."""
+    if eval_dataset is None:
+        return []
+    return list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
+
+
+def es_candidates(model, patterns: list[str] | None):
+    """The named parameters ES selects among (`select_parameters`): all of the model's, or for a vision-language
+    model without `es_parameter_patterns`, its language model's alone — the decoder (`get_decoder()`) and the output
+    head (`get_output_embeddings()`) — so the vision tower and the connector projecting its features stay as they
+    are unless the patterns select them."""
+    if patterns or not is_vision_language(model):
+        return list(model.named_parameters())
+    base = model.get_base_model() if is_peft_model(model) else model
+    language = {id(p) for part in (base.get_decoder(), base.get_output_embeddings()) for p in part.parameters()}
+    return [(name, p) for name, p in model.named_parameters() if id(p) in language]
 
 
 def check_args(args, model) -> ESConfig:

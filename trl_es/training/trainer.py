@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 from datasets import Dataset, IterableDataset
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 from trl.trainer.utils import get_config_model_id, identity
 
 from ..chains.recorder import ChainRecorder
@@ -30,11 +30,14 @@ from .loading import (
     DataMixin,
     check_args,
     check_eval_dataset,
+    check_image_data,
     check_model_type,
     check_optimizer_parameters,
     check_optimizers,
     check_setup,
     keep_theta_in_float32,
+    es_candidates,
+    eval_datasets,
     prepare_model,
     training_dataset,
 )
@@ -61,9 +64,10 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
             models, or their ids.
         args (`ESConfig`, *optional*): the configuration; defaults to `ESConfig("<model name>-ES")`.
         train_dataset (`Dataset` or `IterableDataset`): a "prompt" column (text or chat messages) and any columns
-            the reward functions read.
+            the reward functions read; for a vision-language model, an "image" or "images" column too.
         eval_dataset (`Dataset`, *optional*): prompts for `evaluate` (Pass@K, Maj@K, reward).
-        processing_class (`PreTrainedTokenizerBase`, *optional*): the tokenizer; default: the model's.
+        processing_class (`PreTrainedTokenizerBase` or `ProcessorMixin`, *optional*): the tokenizer, or a
+            vision-language model's processor; default: the model's (AutoProcessor for a vision-language model).
         reward_processing_classes (*optional*): tokenizers of reward models, as in GRPOTrainer.
         callbacks (*optional*): Trainer callbacks.
         optimizers (*optional*): (optimizer, scheduler), as in GRPOTrainer; with `args.es_optimizer` only, the
@@ -96,7 +100,7 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         args: ESConfig | None = None,
         train_dataset: Dataset | IterableDataset | None = None,
         eval_dataset=None,
-        processing_class: PreTrainedTokenizerBase | None = None,
+        processing_class: PreTrainedTokenizerBase | ProcessorMixin | None = None,
         reward_processing_classes=None,
         callbacks=None,
         optimizers: tuple[torch.optim.Optimizer | None, torch.optim.lr_scheduler.LambdaLR | None] = (None, None),
@@ -119,6 +123,7 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         model, processing_class, eos_ids = prepare_model(
             model, args, processing_class, peft_config, quantization_config
         )
+        check_image_data([train_dataset, *eval_datasets(eval_dataset)], processing_class, model, args)
         self.agents = None
         if tools or environment_factory is not None:
             self.agents = Agents(processing_class, args, tools, environment_factory)
@@ -178,7 +183,8 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         args = self.args
         self.model.add_model_tags(self._tag_names)
         self.reward_functions.to(self.accelerator.device)
-        self.es_params = select_parameters(self.model.named_parameters(), args.es_parameter_patterns)
+        patterns = args.es_parameter_patterns
+        self.es_params = select_parameters(es_candidates(self.model, patterns), patterns)
         keep_theta_in_float32(self.es_params, self.accelerator.mixed_precision)
         self.generation, self.weights = make_backend(
             self.model, tokenizer, eos_ids, args, self.accelerator, self.es_params

@@ -124,18 +124,24 @@ def parses_responses(tokenizer) -> bool:
     return any(getattr(tokenizer, name, None) is not None for name in ("response_template", "response_schema"))
 
 
-def tool_suffix_ids(tokenizer, chat_template: str | None, chat_template_kwargs: dict | None, messages: list[dict]):
-    """The token ids that follow an assistant turn's end for the tool results `messages` (GRPOTrainer's)."""
+def tool_suffix_ids(
+    processing_class, chat_template: str | None, chat_template_kwargs: dict | None, messages: list[dict]
+):
+    """The token ids that follow an assistant turn's end for the tool results `messages` (GRPOTrainer's), rendered
+    by the tokenizer or a vision-language model's processor."""
     from types import SimpleNamespace
+
+    from transformers import ProcessorMixin
 
     from trl import GRPOTrainer
 
+    is_vlm = isinstance(processing_class, ProcessorMixin)
     stand_in = SimpleNamespace(
-        processing_class=tokenizer,
-        _tokenizer=tokenizer,
+        processing_class=processing_class,
+        _tokenizer=processing_class.tokenizer if is_vlm else processing_class,
         chat_template=chat_template,
         chat_template_kwargs=chat_template_kwargs or {},
-        _is_vlm=False,
+        _is_vlm=is_vlm,
     )
     return GRPOTrainer._get_tool_suffix_ids(stand_in, messages)
 

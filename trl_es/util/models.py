@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from filelock import FileLock
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoProcessor, AutoTokenizer, PreTrainedTokenizerBase, ProcessorMixin
 from trl.trainer.utils import create_model_from_path, get_config_model_id
 
 from ..es.params import is_quantized
@@ -219,6 +219,28 @@ def load_tokenizer(path: str | None, model, trust_remote_code: bool = False) -> 
     return AutoTokenizer.from_pretrained(
         path, padding_side="left", truncation_side="left", trust_remote_code=trust_remote_code
     )
+
+
+def is_vision_language(model) -> bool:
+    """Whether `model` is a vision-language model (its config has a `vision_config`)."""
+    return getattr(model.config, "vision_config", None) is not None
+
+
+def load_processing_class(path: str | None, model, trust_remote_code: bool = False):
+    """The model's processing class (left padding), as GRPOTrainer loads it: a vision-language model's processor
+    (AutoProcessor), else its tokenizer (`load_tokenizer`); from `path` when it holds one, else the model's own id."""
+    if not is_vision_language(model):
+        return load_tokenizer(path, model, trust_remote_code)
+    if path is None or not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+        path = get_config_model_id(model.config)
+    return AutoProcessor.from_pretrained(
+        path, padding_side="left", truncation_side="left", trust_remote_code=trust_remote_code
+    )
+
+
+def text_tokenizer(processing_class) -> PreTrainedTokenizerBase:
+    """The tokenizer of a processing class: a processor's (ProcessorMixin) `tokenizer`, or the tokenizer itself."""
+    return processing_class.tokenizer if isinstance(processing_class, ProcessorMixin) else processing_class
 
 
 def eos_token_ids(model, tokenizer: PreTrainedTokenizerBase) -> list[int]:
