@@ -57,7 +57,7 @@ def test_an_update_moves_every_expert_and_the_routers(tmp_path, tiny_moe_dir, pr
     assert all(not torch.equal(after[n], before[n]) for n in after if n.endswith("mlp.gate.weight"))
 
 
-@pytest.mark.parametrize("space", ["full", "copes"])
+@pytest.mark.parametrize("space", ["full", pytest.param("copes", marks=pytest.mark.slow)])  # copes: a variant of full
 def test_a_step_without_signal_puts_the_centre_back_bitwise(tmp_path, tiny_moe_dir, prompt_dataset, space):
     """Members were written into the experts (their completions differ), and a step whose rewards carry no signal
     leaves θ bitwise as it was."""
@@ -89,7 +89,7 @@ def test_lowrank_mixed_batch_equals_each_member_alone(tmp_path, tiny_moe_dir, pr
     assert len({tuple(c) for c in runs[None]}) > 1
 
 
-@pytest.mark.parametrize("space", ["full", "lowrank"])
+@pytest.mark.parametrize("space", [pytest.param("full", marks=pytest.mark.slow), "lowrank"])  # full: test_precision.py
 def test_bf16_computes_in_bfloat16_and_keeps_the_experts_float32(tmp_path, tiny_moe_dir, prompt_dataset, space):
     args = moe_config(tmp_path, es_search_space=space, bf16=True, use_cpu=True)
     trainer = ESTrainer(tiny_moe_dir, even_token_share, args=args, train_dataset=prompt_dataset)

@@ -199,9 +199,10 @@ class LowRankPopulation:
                 if isinstance(module, torch.nn.Linear):
                     self.handles.append(module.register_forward_hook(self._hook(*factors["weight"])))
                 else:
-                    self.forwards[module] = module.__dict__.get("forward")
+                    previous = module.__dict__.get("forward")
                     make = self._experts_forward if fused_experts(module) else self._router_forward
                     module.forward = make(module, factors)
+                    self.forwards[module] = previous
         except BaseException:
             self.remove()
             raise
