@@ -16,6 +16,11 @@ in place, with no copy and no reload:
   worker has it keep them (`_cpu_skip_gemm_dispatch` while loading θ once), and after each write re-packs the
   handles of the layers whose weights changed (`dispatch_cpu_unquantized_gemm`, vLLM's own packing).
 
+A mixture of experts' fused tensors (transformers' `mlp.experts.gate_up_proj` and `down_proj`) are vLLM's fused-MoE
+`w13_weight` and `w2_weight`, in the same layout (`EXPERT_TENSORS`): views of them under Triton's kernel; under
+vLLM's CPU kernel, which multiplies by a packed copy, the worker keeps its own tensors and packs each write into
+vLLM's packed ones in place (`_pack_experts`). Other MoE kernels are refused (`MOE_KERNELS`).
+
 Where the views cannot be formed (a tensor-parallel shard, a model whose weights vLLM transforms on loading) the
 worker keeps separate tensors and sends each write through vLLM's loading path: `load_weights` of the changed
 tensors on GPU, a whole-model `reload_weights` plus re-packing on CPU (slow: ~1 s per member for 135M).
