@@ -452,14 +452,16 @@ def test_moe_experts_are_packed_without_views_and_when_vllm_pads_them(moe):
     [
         ({"es_search_space": "lowrank"}, False, r"es_search_space='lowrank'.*LoRA adapters, which cannot reach"),
         ({"vllm_mode": "server"}, False, r"vllm_mode='server'.*each expert's gate_proj, up_proj and down_proj apart"),
+        ({"vllm_mode": "server", "es_parameter_patterns": [r"self_attn"]}, False, r"vllm_mode='server'.*apart"),
         ({}, True, r"adapts its tensor 'gate_up_proj' \(target_parameters\), not a Linear"),
     ],
 )
 def test_what_vllm_cannot_do_with_a_mixture_of_experts_is_refused_before_an_engine_starts(
     tmp_path, tiny_moe_dir, prompt_dataset, overrides, adapter, message
 ):
-    """Low-rank members (LoRA slots do not reach fused experts), a server (its files hold the experts one by one),
-    and a LoRA adapter on the experts' tensors (PEFT's target_parameters) are refused, with the reason."""
+    """Low-rank members (LoRA slots do not reach fused experts), a server (its files hold the experts one by one;
+    also when ES leaves the experts out: its loader would write them unpacked), and a LoRA adapter on the experts'
+    tensors (PEFT's target_parameters) are refused, with the reason."""
     pytest.importorskip("vllm")
     from peft import LoraConfig
 

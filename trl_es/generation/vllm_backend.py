@@ -56,13 +56,14 @@ def start_engine(model, tokenizer, args, accelerator, params) -> Colocated | Ser
     """The run's engine: a running server, or an in-process one on the model's directory (the weights are replaced
     by the trainer's at `VLLMWeights.start`), with LoRA slots for low-rank members; for an adapter, on its base's
     directory with LoRA slots for the adapter's members."""
-    experts = next((name for name, p in params.items() if p.dim() > 2), None)  # a mixture of experts' fused tensor
-    if experts and args.vllm_mode == "server":
+    fused = next((name for name, p in model.named_parameters() if p.dim() > 2), None)  # a mixture of experts' tensor
+    if fused and args.vllm_mode == "server":  # trained or not: the server's loader would write them unpacked
         raise ValueError(
-            f"use_vllm=True with vllm_mode='server' and {experts!r}, a mixture of experts' fused expert tensor: the "
+            f"use_vllm=True with vllm_mode='server' and {fused!r}, a mixture of experts' fused expert tensor: the "
             "server reads θ from the model's files, which hold each expert's gate_proj, up_proj and down_proj apart, "
             "not the trainer's fused tensors. Use vllm_mode='colocate'"
         )
+    experts = next((name for name, p in params.items() if p.dim() > 2), None)
     if experts and args.es_search_space == "lowrank":
         raise ValueError(
             f"es_search_space='lowrank' with use_vllm=True and {experts!r}, a mixture of experts' fused expert "
