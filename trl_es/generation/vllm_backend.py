@@ -56,12 +56,20 @@ def start_engine(model, tokenizer, args, accelerator, params) -> Colocated | Ser
     """The run's engine: a running server, or an in-process one on the model's directory (the weights are replaced
     by the trainer's at `VLLMWeights.start`), with LoRA slots for low-rank members; for an adapter, on its base's
     directory with LoRA slots for the adapter's members."""
-    fused = [name for name, p in params.items() if p.dim() > 2]
-    if fused:
+    fused = next((name for name, p in model.named_parameters() if p.dim() > 2), None)  # a mixture of experts' tensor
+    if fused and args.vllm_mode == "server":  # trained or not: the server's loader would write them unpacked
         raise ValueError(
-            f"use_vllm=True with {fused[0]!r}, a mixture of experts' fused expert tensor: vLLM holds the experts under "
-            "other names and layouts (w13_weight, w2_weight), which the ES worker does not map yet, so members would "
-            "not reach them. Train with use_vllm=False"
+            f"use_vllm=True with vllm_mode='server' and {fused!r}, a mixture of experts' fused expert tensor: the "
+            "server reads θ from the model's files, which hold each expert's gate_proj, up_proj and down_proj apart, "
+            "not the trainer's fused tensors. Use vllm_mode='colocate'"
+        )
+    experts = next((name for name, p in params.items() if p.dim() > 2), None)
+    if experts and args.es_search_space == "lowrank":
+        raise ValueError(
+            f"es_search_space='lowrank' with use_vllm=True and {experts!r}, a mixture of experts' fused expert "
+            "tensor: vLLM evaluates low-rank members as LoRA adapters, which cannot reach its fused experts. Use "
+            "es_search_space='full' (members are written into vLLM's experts), use_vllm=False, or "
+            "es_parameter_patterns that leave the experts out"
         )
     if args.vllm_mode == "server":
         return Server(args)
@@ -84,8 +92,8 @@ def start_engine(model, tokenizer, args, accelerator, params) -> Colocated | Ser
 def adapter_modules(model, params: dict) -> list[list]:
     """The LoRA layers of the PeftModel `model` whose members vLLM's LoRA slots evaluate: [HF linear module, A's
     name, B's name, scaling] each. A ValueError, naming the reason, for an adapter vLLM's LoRA cannot hold: another
-    PEFT type than LoRA, DoRA, `modules_to_save`, a bias, a layer that is not a Linear, an adapter not named
-    'default', or ES parameters outside the LoRA A/B weights."""
+    PEFT type than LoRA, DoRA, `modules_to_save`, a bias, a layer that is not a Linear (a MoE's experts through
+    `target_parameters`), an adapter not named 'default', or ES parameters outside the LoRA A/B weights."""
     from peft.tuners.lora import LoraLayer
 
     config = model.peft_config.get("default")
@@ -104,6 +112,9 @@ def adapter_modules(model, params: dict) -> list[list]:
         modules, names = [], set()
         for name, module in model.named_modules():
             if isinstance(module, LoraLayer) and "default" in module.lora_A:
+                if getattr(module, "parameter_name", None):  # PEFT's target_parameters (a MoE's expert tensors)
+                    why = f"{name!r} adapts its tensor {module.parameter_name!r} (target_parameters), not a Linear"
+                    break
                 if not isinstance(module.lora_A["default"], torch.nn.Linear):
                     why = f"{name!r} is not a Linear layer (vLLM's LoRA slots take Linear layers here)"
                     break

@@ -16,6 +16,11 @@ in place, with no copy and no reload:
   worker has it keep them (`_cpu_skip_gemm_dispatch` while loading θ once), and after each write re-packs the
   handles of the layers whose weights changed (`dispatch_cpu_unquantized_gemm`, vLLM's own packing).
 
+A mixture of experts' fused tensors (transformers' `mlp.experts.gate_up_proj` and `down_proj`) are vLLM's fused-MoE
+`w13_weight` and `w2_weight`, in the same layout (`EXPERT_TENSORS`): views of them under Triton's kernel; under
+vLLM's CPU kernel, which multiplies by a packed copy, the worker keeps its own tensors and packs each write into
+vLLM's packed ones in place (`_pack_experts`). Other MoE kernels are refused (`MOE_KERNELS`).
+
 Where the views cannot be formed (a tensor-parallel shard, a model whose weights vLLM transforms on loading) the
 worker keeps separate tensors and sends each write through vLLM's loading path: `load_weights` of the changed
 tensors on GPU, a whole-model `reload_weights` plus re-packing on CPU (slow: ~1 s per member for 135M).
@@ -56,6 +61,14 @@ M_MMAP_THRESHOLD = -3
 """glibc's `mallopt` parameter: the size from which `malloc` maps a block of its own (returned to the system on free)."""
 MAX_COEFFICIENTS = 1 << 16
 """Most (seed, coefficient) pairs one update may carry: the population size bounds them."""
+EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
+"""A mixture of experts' fused expert tensors in transformers and the parameters of vLLM's fused-MoE layer that hold
+them in the same layout: gate_up_proj [E, 2I, H] (each expert's gate rows, then its up rows) is w13_weight,
+down_proj [E, H, I] is w2_weight."""
+MOE_KERNELS = ("TRITON", "BATCHED_TRITON", "CPU")
+"""vLLM's unquantized MoE kernels that compute with w13_weight and w2_weight as loaded (Triton's), or from a packed
+copy that the worker re-makes (vLLM's CPU kernel); the others lay the experts out their own way after loading
+(FlashInfer puts the up rows first, AITER shuffles them), which a member written by name would not follow."""
 
 
 def _is_int(value) -> bool:
@@ -123,6 +136,18 @@ def _reuse_freed_memory() -> None:
         libc.mallopt(M_MMAP_THRESHOLD, 2**31 - 1)
 
 
+def _pack_experts(tensor: torch.Tensor, packed: torch.Tensor, isa: str) -> None:
+    """`packed` ← vLLM's CPU-kernel packing of the expert tensor `tensor` (w13 [E, 2I, H] or w2 [E, H, I]), written
+    in place. Where vLLM pads I to its kernel's alignment, `tensor` is zero-padded as vLLM pads it: each of w13's
+    gate and up halves, w2's columns (a padded copy per call; none otherwise)."""
+    pad = torch.nn.functional.pad
+    if tensor.shape[2] < packed.shape[2]:
+        tensor = pad(tensor, (0, packed.shape[2] - tensor.shape[2]))
+    elif tensor.shape[1] < packed.shape[1]:
+        tensor = pad(tensor.unflatten(1, (2, -1)), (0, 0, 0, (packed.shape[1] - tensor.shape[1]) // 2)).flatten(1, 2)
+    torch.ops._C.prepack_moe_weight(tensor, packed, isa)
+
+
 class ESWorkerExtension:
     """Methods that vLLM's worker gains, each taking its arguments as one JSON string (what vLLM's HTTP
     `/collective_rpc` passes). `es_init` first; then `es_perturb`, `es_restore`, `es_update`."""
@@ -168,6 +193,9 @@ class ESWorkerExtension:
             master = {name: tensor.detach().to("cpu", dtype, copy=True) for name, tensor in weights if name in names}
         # The working tensors live where vLLM's weights do, in its dtype.
         working = {name: tensor.detach().to(device, engine_dtype, copy=True).contiguous() for name, tensor in weights}
+        error = self._es_find_experts(model, set(working))
+        if error:
+            return {"error": error}
         self._es_names = list(args["names"])
         self._es_packed = {}  # CPU: name -> the layers whose packed handles multiply by that weight
         if self._es_repacked:
@@ -193,15 +221,43 @@ class ESWorkerExtension:
             weight = getattr(module, "weight", None)
             if not hasattr(module, "cpu_linear") or not isinstance(weight, torch.Tensor):
                 continue
-            if not weight.numel() and hasattr(module, "output_size_per_partition"):
-                shape = (module.output_size_per_partition, module.input_size_per_partition)
+            if not weight.numel() and hasattr(module, "output_partition_sizes"):
+                columns = getattr(module, "input_size_per_partition", module.input_size)  # replicated: a MoE's router
+                shape = (sum(module.output_partition_sizes), columns)
                 weight.data = torch.empty(shape, dtype=weight.dtype, device=weight.device)
             module._cpu_skip_gemm_dispatch = True
+
+    def _es_find_experts(self, model, names: set[str]) -> str | None:
+        """Record vLLM's fused-MoE layers by the transformers name of their experts module (`self._es_moe`), and
+        which of the transformers tensors `names` vLLM's CPU kernel multiplies by a packed copy of
+        (`self._es_packed_experts`: name -> (the packed parameter, the ISA it is packed for)); or say why members
+        could not be written into the experts (`MOE_KERNELS`)."""
+        self._es_moe, self._es_packed_experts = {}, {}
+        for name, layer in model.named_modules():
+            if not isinstance(getattr(layer, "w13_weight", None), torch.Tensor):
+                continue
+            method = getattr(layer, "quant_method", None)
+            backend = getattr(method, "unquantized_backend", None)
+            if backend is None or backend.name not in MOE_KERNELS:
+                kernel = f"{backend.value} MoE kernel" if backend else f"{type(method).__name__} (quantized experts)"
+                return (
+                    f"{name} runs vLLM's {kernel}, which holds the experts in its own layout: ES writes members into "
+                    "the experts of vLLM's Triton (GPU) and CPU kernels only"
+                )
+            module = name.removesuffix(".routed_experts")
+            self._es_moe[module] = layer
+            kernel = method.moe_kernel.fused_experts
+            isa = None if getattr(kernel, "_use_zentorch", False) else getattr(kernel, "isa", None)
+            for leaf, param in EXPERT_TENSORS.items():
+                if isa and f"{module}.{leaf}" in names:
+                    self._es_packed_experts[f"{module}.{leaf}"] = (getattr(layer, param).data, isa)
+        return None
 
     def _es_find_views(self, model, working: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """For each ES name, the rows of vLLM's parameter that hold it (module docstring), when every one is found
         and equals the worker's tensor bitwise; None otherwise. On CPU also records, per name, the layers to re-pack
-        after it changes (the tied head shares the embedding's weight)."""
+        after it changes (the tied head shares the embedding's weight), and for the experts that vLLM's CPU kernel
+        packs, the worker's own tensor (`_es_push` packs it)."""
         params = dict(model.named_parameters(remove_duplicate=False))
         fused = {
             part: (whole, parts)
@@ -216,16 +272,22 @@ class ESWorkerExtension:
             module, _, leaf = name.rpartition(".")
             prefix, _, part = module.rpartition(".")
             target, offset = name, 0
-            if part in fused:
-                whole, parts = fused[part]
-                target = f"{prefix}.{whole}.{leaf}"
-                before = [working.get(f"{prefix}.{sibling}.{leaf}") for sibling in parts[: parts.index(part)]]
-                if any(sibling is None for sibling in before):
-                    return None
-                offset = sum(len(sibling) for sibling in before)
-            param = params.get(target)
-            if param is None:  # with LoRA enabled, vLLM wraps the layer: its weight is the base layer's
-                param = params.get(f"{target.rpartition('.')[0]}.base_layer.{leaf}")
+            if name in self._es_packed_experts:
+                views[name], self._es_packed[name] = tensor, []
+                continue
+            if module in self._es_moe and leaf in EXPERT_TENSORS:  # a fused expert tensor: the layer's w13/w2, whole
+                param = getattr(self._es_moe[module], EXPERT_TENSORS[leaf])
+            else:
+                if part in fused:
+                    whole, parts = fused[part]
+                    target = f"{prefix}.{whole}.{leaf}"
+                    before = [working.get(f"{prefix}.{sibling}.{leaf}") for sibling in parts[: parts.index(part)]]
+                    if any(sibling is None for sibling in before):
+                        return None
+                    offset = sum(len(sibling) for sibling in before)
+                param = params.get(target)
+                if param is None:  # with LoRA enabled, vLLM wraps the layer: its weight is the base layer's
+                    param = params.get(f"{target.rpartition('.')[0]}.base_layer.{leaf}")
             if param is None or param.dtype != tensor.dtype or param.shape[1:] != tensor.shape[1:]:
                 return None
             rows = param.data.narrow(0, offset, tensor.shape[0]) if offset + tensor.shape[0] <= len(param) else None
@@ -445,8 +507,9 @@ class ESWorkerExtension:
     @torch.no_grad()
     def _es_push(self, names: set[str]) -> None:
         """Make vLLM compute with the worker's tensors `names` (module docstring): with views, re-pack the CPU
-        layers they feed; otherwise copy them in (`load_weights` on GPU, a whole reload on CPU). In adapter mode,
-        write them into LoRA slot 0, through which generation goes outside a members call."""
+        layers they feed, and the experts vLLM's CPU kernel packs into their packed tensors; otherwise copy them in
+        (`load_weights` on GPU, a whole reload on CPU, then packed again). In adapter mode, write them into LoRA
+        slot 0, through which generation goes outside a members call."""
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
         if getattr(self, "_es_adapter_mode", False):  # the evaluated adapter is LoRA slot 0
@@ -456,12 +519,18 @@ class ESWorkerExtension:
         if self._es_views:
             for module in {id(m): m for name in names for m in self._es_packed[name]}.values():
                 dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            for name in names & self._es_packed_experts.keys():
+                _pack_experts(working[name], *self._es_packed_experts[name])
             return
         if not self._es_repacked:
             model.load_weights([(name, working[name]) for name in names])
             return
-        self.model_runner.reload_weights(weights_iterator=iter(working.items()), is_checkpoint_format=True)
+        # vLLM's reload would write packed experts unpacked (and fails on padded ones): the worker packs them itself
+        others = ((name, tensor) for name, tensor in working.items() if name not in self._es_packed_experts)
+        self.model_runner.reload_weights(weights_iterator=others, is_checkpoint_format=True)
         for module in model.modules():  # vLLM 0.32 does not re-pack layers that keep `.weight` (tied heads)
             weight = getattr(module, "weight", None)
             if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.numel():
                 dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+        for name in names & self._es_packed_experts.keys():
+            _pack_experts(working[name], *self._es_packed_experts[name])
