@@ -1,0 +1,185 @@
+"""Vision-language models on the transformers generation path, as GRPOTrainer takes them: the tiny Idefics3 of
+`helpers.build_tiny_vlm` (SigLIP tower, connector, Llama) sees each prompt's image in every member's rows; ES moves
+its language model and leaves the vision tower as it is unless es_parameter_patterns selects it."""
+
+import pytest
+import torch
+from datasets import Dataset
+from helpers import assert_same_weights, solid_image, weights
+from helpers import es_config as config
+from transformers import AutoModelForImageTextToText, AutoProcessor, Idefics3Processor
+
+from trl_es import ESTrainer
+
+
+QUESTION = [{"role": "user", "content": "What shade is this?"}]
+
+
+def even_token_share(completion_ids, **kwargs):
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def shades(*levels, column="image"):
+    """One conversational prompt per grey level, with its image in `column` ('image', or 'images': a list)."""
+    images = [solid_image(level) for level in levels]
+    return Dataset.from_dict(
+        {"prompt": [QUESTION] * len(levels), column: images if column == "image" else [[i] for i in images]}
+    )
+
+
+def vlm_trainer(tmp_path, model_dir, dataset=None, **overrides):
+    settings = dict(per_device_train_batch_size=2, max_completion_length=8)
+    dataset = shades(0, 255) if dataset is None else dataset
+    return ESTrainer(model_dir, even_token_share, args=config(tmp_path, **{**settings, **overrides}),
+                     train_dataset=dataset)  # fmt: skip
+
+
+def recording_generate(model):
+    """Wrap `model.generate` (the real one runs) to keep each call's keyword arguments."""
+    real, calls = model.generate, []
+
+    def generate(**kwargs):
+        calls.append(kwargs)
+        return real(**kwargs)
+
+    model.generate = generate
+    return calls
+
+
+def test_the_processor_is_loaded_and_completions_depend_on_the_image(tmp_path, tiny_vlm_dir):
+    """Without processing_class the model's processor is loaded (AutoProcessor, as GRPOTrainer does); the same
+    question on a black and a white image, sampled with the same seeds, gives other completions."""
+    trainer = vlm_trainer(tmp_path, tiny_vlm_dir)
+    assert isinstance(trainer.processing_class, Idefics3Processor)
+    rows = list(shades(0, 255, 0))
+    completions = trainer.rollout(rows, 2, [11, 12] * 3)
+    black, white, black_again = (completions.completion_ids[k : k + 2] for k in (0, 2, 4))
+    assert black == black_again  # a prompt's tokens depend on its image and seeds alone
+    assert black != white
+
+
+def test_generation_equals_transformers_generate_on_the_processor_inputs(tmp_path, tiny_vlm_dir):
+    """Greedy completions of ESTrainer's generation equal transformers' own `generate` on what the processor makes
+    of the prompt and its image: the image tensors ESTrainer builds for the token ids are the processor's."""
+    trainer = vlm_trainer(tmp_path, tiny_vlm_dir, generation_kwargs={"do_sample": False})
+    rows = list(shades(40, 200))
+    ours = trainer.rollout(rows, 1, [0, 0]).completion_ids
+    processor, model = AutoProcessor.from_pretrained(tiny_vlm_dir), AutoModelForImageTextToText.from_pretrained(
+        tiny_vlm_dir
+    )
+    for row, completion in zip(rows, ours, strict=True):
+        messages = [{"role": "user", "content": [{"type": "image", "image": row["image"]},
+                                                  {"type": "text", "text": QUESTION[0]["content"]}]}]  # fmt: skip
+        inputs = processor.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+        )
+        output = model.generate(**inputs, max_new_tokens=len(completion), do_sample=False,
+                                suppress_tokens=[model.config.image_token_id])  # fmt: skip
+        assert output[0, inputs["input_ids"].shape[1] :].tolist() == completion
+
+
+@pytest.mark.parametrize("column", ["image", "images"])
+def test_every_member_row_of_the_mixed_batch_carries_its_prompt_image(tmp_path, tiny_vlm_dir, column):
+    """The population's batch (members × prompts × generations, member-major) gives every row its prompt's image,
+    and each member's completions in it equal those the member generates alone."""
+    trainer = vlm_trainer(tmp_path, tiny_vlm_dir)
+    rows, n, members = list(shades(0, 255, column=column)), 2, 3
+    calls = recording_generate(trainer.model)
+    alone = trainer.rollout(rows, n, [5, 6, 7, 8]).completion_ids
+    mixed = trainer.rollout(rows, n, [5, 6, 7, 8] * members, n_members=members).completion_ids
+    assert [mixed[j * 4 : (j + 1) * 4] for j in range(members)] == [alone] * members
+    pixels = calls[-1]["pixel_values"]  # (rows, images a row, 3, 56, 56): black rows −1 after normalization, white +1
+    assert pixels.shape[:2] == (members * len(rows) * n, 1)
+    levels = pixels.mean(dim=(1, 2, 3, 4)).tolist()
+    assert [round(level) for level in levels] == [-1, -1, 1, 1] * members
+
+
+def test_training_moves_the_language_model_and_leaves_the_vision_tower(tmp_path, tiny_vlm_dir):
+    """By default ES perturbs the language model alone (the decoder and its output head): two steps change its
+    weights and leave the vision tower and the connector bitwise as they were."""
+    trainer = vlm_trainer(tmp_path, tiny_vlm_dir)
+    assert trainer.es_params and all(name.startswith("model.text_model.") for name in trainer.es_params)
+    before = weights(trainer.model)
+    trainer.train()
+    moved = {name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])}
+    assert moved == set(trainer.es_params)
+    assert not any(name.startswith(("model.vision_model.", "model.connector.")) for name in moved)
+
+
+def test_es_parameter_patterns_can_select_the_vision_tower(tmp_path, tiny_vlm_dir):
+    trainer = vlm_trainer(tmp_path, tiny_vlm_dir, es_parameter_patterns=[r"vision_model\.encoder"])
+    before = weights(trainer.model)
+    trainer.train()
+    moved = {name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])}
+    assert moved and all(name.startswith("model.vision_model.encoder.") for name in moved)
+
+
+def test_a_failing_member_restores_the_weights_bitwise(tmp_path, tiny_vlm_dir):
+    calls = []
+
+    def flaky(completion_ids, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the third member, after two were formed, evaluated and restored
+            raise RuntimeError("reward service down")
+        return even_token_share(completion_ids)
+
+    trainer = ESTrainer(tiny_vlm_dir, flaky, args=config(tmp_path, per_device_train_batch_size=2),
+                        train_dataset=shades(0, 255))  # fmt: skip
+    before = weights(trainer.model)
+    with pytest.raises(RuntimeError, match="reward service down"):
+        trainer.train()
+    assert_same_weights(trainer.model, before)
+
+
+def test_resume_from_checkpoint_gives_the_uninterrupted_weights(tmp_path, tiny_vlm_dir):
+    full = vlm_trainer(tmp_path / "full", tiny_vlm_dir, max_steps=4)
+    full.train()
+    first = vlm_trainer(tmp_path / "resumed", tiny_vlm_dir, max_steps=4, save_strategy="steps", save_steps=2)
+    first.train()
+    checkpoint = tmp_path / "resumed" / "out" / "checkpoint-2"
+    assert isinstance(AutoProcessor.from_pretrained(checkpoint), Idefics3Processor)  # saved with its processor
+    resumed = vlm_trainer(tmp_path / "resumed", tiny_vlm_dir, max_steps=4)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 4
+    assert_same_weights(resumed.model, weights(full.model))
+
+
+def test_lora_on_the_language_model_trains_the_adapter_alone(tmp_path, tiny_vlm_dir):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=r".*text_model.*\.(q_proj|v_proj)")
+    trainer = ESTrainer(tiny_vlm_dir, even_token_share, args=config(tmp_path, per_device_train_batch_size=2),
+                        train_dataset=shades(0, 255), peft_config=lora)  # fmt: skip
+    assert trainer.es_params and all("lora_" in name and ".text_model." in name for name in trainer.es_params)
+    before = weights(trainer.model)
+    trainer.train()
+    moved = {name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])}
+    assert moved and moved <= set(trainer.es_params)
+
+
+def test_lowrank_search_space_trains_the_language_model(tmp_path, tiny_vlm_dir):
+    trainer = vlm_trainer(tmp_path, tiny_vlm_dir, es_search_space="lowrank")
+    before = weights(trainer.model)
+    trainer.train()
+    moved = {name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])}
+    assert moved and all(name.startswith("model.text_model.") for name in moved)
+
+
+def test_vllm_with_a_vision_language_model_is_refused_before_the_engine_starts(tmp_path, tiny_vlm_dir):
+    with pytest.raises(ValueError, match="use_vllm=True with a vision-language model.*does not pass images to vLLM"):
+        vlm_trainer(tmp_path, tiny_vlm_dir, use_vllm=True, vllm_mode="colocate")
+
+
+def test_images_need_the_processor_and_conversational_prompts(tmp_path, tiny_vlm_dir, tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    with pytest.raises(ValueError, match="'image' column.*a processing class that is a tokenizer"):
+        ESTrainer(tiny_vlm_dir, even_token_share, args=config(tmp_path), train_dataset=shades(0, 255),
+                  processing_class=AutoTokenizer.from_pretrained(tiny_vlm_dir))  # fmt: skip
+    text = Dataset.from_dict({"prompt": ["What shade is this?"] * 2, "image": [solid_image(0), solid_image(9)]})
+    with pytest.raises(ValueError, match="'image' column and text prompts.*lists of chat messages"):
+        vlm_trainer(tmp_path, tiny_vlm_dir, text)
+    processor = AutoProcessor.from_pretrained(tiny_vlm_dir)
+    with pytest.raises(TypeError, match="is a processor .*not a vision-language model"):
+        ESTrainer(tiny_model_dir, even_token_share, args=config(tmp_path),
+                  train_dataset=Dataset.from_dict({"prompt": [QUESTION] * 2}), processing_class=processor)  # fmt: skip
