@@ -7,6 +7,7 @@ import torch
 from datasets import Dataset
 from helpers import assert_same_weights, solid_image, weights
 from helpers import es_config as config
+from test_trackers import no_network, trackio_store  # noqa: F401 (the trackio fixture and the one it uses)
 from transformers import AutoModelForImageTextToText, AutoProcessor, Idefics3Processor
 
 from trl_es import ESTrainer
@@ -183,3 +184,27 @@ def test_images_need_the_processor_and_conversational_prompts(tmp_path, tiny_vlm
     with pytest.raises(TypeError, match="is a processor .*not a vision-language model"):
         ESTrainer(tiny_model_dir, even_token_share, args=config(tmp_path),
                   train_dataset=Dataset.from_dict({"prompt": [QUESTION] * 2}), processing_class=processor)  # fmt: skip
+
+
+def test_log_multimodal_sends_each_row_image_with_the_completions_table(tmp_path, tiny_vlm_dir, trackio_store):
+    """As GRPOTrainer: the completions table's prompts keep an image block without its picture (parquet), and the
+    table sent to trackio has an `image` column with each row's image; log_multimodal=False leaves it out."""
+    import pandas as pd
+    import trackio
+    from trackio.sqlite_storage import SQLiteStorage
+
+    for project, multimodal in (("vlm-images", True), ("vlm-text", False)):
+        vlm_trainer(tmp_path / project, tiny_vlm_dir, max_steps=1, log_completions=True, report_to="trackio",
+                    project=project, log_multimodal=multimodal).train()  # fmt: skip
+        parquet = pd.read_parquet(tmp_path / project / "out" / "completions" / "completions_00001.parquet")
+        blocks = [block for prompt in parquet["prompt"] for message in prompt for block in message["content"]]
+        assert {block["type"] for block in blocks} == {"image", "text"}
+        assert all(block.get("image") is None for block in blocks)
+        (run,) = trackio.Api().runs(project)
+        (table,) = [log["completions"] for log in SQLiteStorage.get_logs(project, run.name) if "completions" in log]
+        rows = table["_value"]
+        assert len(rows) == 2 * 2  # the first member's completions: prompts × num_generations
+        if multimodal:
+            assert all(len(row["image"]) == 1 and row["image"][0]["_type"] == trackio.Image.TYPE for row in rows)
+        else:
+            assert "image" not in rows[0]
