@@ -208,3 +208,66 @@ def test_log_multimodal_sends_each_row_image_with_the_completions_table(tmp_path
             assert all(len(row["image"]) == 1 and row["image"][0]["_type"] == trackio.Image.TYPE for row in rows)
         else:
             assert "image" not in rows[0]
+
+
+class Lamp:
+    """An environment without tools: its reset says where the lamp is."""
+
+    def reset(self, **row) -> str:
+        return " The lamp is on."
+
+
+def test_agent_episodes_show_the_prompt_image_to_every_member(tmp_path, tiny_vlm_dir):
+    """Agent episodes (an environment_factory) render the prompt, its image and the reset's observation through the
+    processor: each episode's completion depends on its image, and a member's episodes in a batch of three equal
+    its episodes alone."""
+    args = config(tmp_path, per_device_train_batch_size=2, max_completion_length=8)
+    trainer = ESTrainer(tiny_vlm_dir, even_token_share, args=args, train_dataset=shades(0, 255),
+                        environment_factory=Lamp)  # fmt: skip
+    rows = list(shades(0, 255, 0))
+    alone = trainer.rollout(rows, 1, [3, 3, 3], key=0)
+    black, white, black_again = alone.completion_ids
+    assert black == black_again and black != white
+    assert alone.prompts[0][-1]["content"][-1] == {"type": "text", "text": " The lamp is on."}
+    mixed = trainer.rollout(rows, 1, [3, 3, 3] * 3, n_members=3, key=1).completion_ids
+    assert mixed == alone.completion_ids * 3
+
+
+def snapshot(zoom: int) -> list:
+    """Takes a picture.
+
+    Args:
+        zoom: How close to look.
+
+    Returns:
+        The picture.
+    """
+    return [{"type": "image", "image": solid_image(zoom)}, {"type": "text", "text": "a picture"}]
+
+
+def test_a_tool_image_reaches_the_model_for_the_rest_of_the_episode(tmp_path, tiny_vlm_dir):
+    """As GRPOTrainer: a tool's image is expanded into the result's tokens and shown to the model with the turns
+    that follow. Episodes whose tool returned the same picture continue alike; another picture, differently."""
+    from helpers import CALL, scripted
+    from trl.chat_template_utils import qwen3_template, qwen3_vl_chat_template
+
+    processor = AutoProcessor.from_pretrained(tiny_vlm_dir)  # given TRL's Qwen3-VL template, which calls tools,
+    processor.chat_template = qwen3_vl_chat_template.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+    processor.tokenizer.response_template = qwen3_template  # with Idefics3's image token, and its response parser
+    args = config(tmp_path, per_device_train_batch_size=3, max_completion_length=96)
+    trainer = ESTrainer(tiny_vlm_dir, even_token_share, args=args, processing_class=processor, tools=[snapshot],
+                        train_dataset=Dataset.from_dict({"prompt": [QUESTION] * 3}))  # fmt: skip
+    after_tool = {}
+
+    def script(row, prompt, ids):
+        if "<image>" in prompt:  # the turn after the tool's result: what the model generated, seeing its picture
+            after_tool[row] = ids
+            return "Done<|im_end|>"
+        return CALL.format(name="snapshot", arguments=f'{{"zoom": {255 * (row % 2)}}}')  # rows 0, 2: black; 1: white
+
+    scripted(trainer, script)
+    calls = recording_generate(trainer.model)
+    episodes = trainer.rollout([{"prompt": QUESTION}] * 3, 1, [4, 4, 4], key=0)
+    assert [[m["role"] for m in episode] for episode in episodes.completions] == [["assistant", "tool", "assistant"]] * 3
+    assert after_tool[0] == after_tool[2] != after_tool[1]
+    assert calls[-1]["pixel_values"].shape[:2] == (3, 1)  # the second turn: each row its tool's picture

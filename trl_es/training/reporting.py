@@ -63,10 +63,11 @@ class ReportingMixin:
         printed (with rich), written to `<output_dir>/completions/completions_<step>.parquet`, and sent as a
         `completions` table to wandb / trackio when `report_to` names them."""
         prompts, completions, rewards, extras = self.population.last_completions
-        images = [message_images(prompt) for prompt in prompts]  # a vision-language model's
         step = self.state.global_step
-        table = pd.DataFrame({"step": [step] * len(prompts), "prompt": list(map(strip_images_from_messages, prompts)),
-                              "completion": completions, **rewards, **extras})  # fmt: skip
+        images = [message_images(p) + message_images(c) for p, c in zip(prompts, completions, strict=True)]
+        strip = lambda column: list(map(strip_images_from_messages, column))  # noqa: E731 (the pictures, as GRPO)
+        table = pd.DataFrame({"step": [step] * len(prompts), "prompt": strip(prompts), "completion": strip(completions),
+                              **rewards, **extras})  # fmt: skip
         folder = os.path.join(self.args.output_dir, "completions")
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"completions_{step:05d}.parquet")
