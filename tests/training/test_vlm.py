@@ -271,3 +271,21 @@ def test_a_tool_image_reaches_the_model_for_the_rest_of_the_episode(tmp_path, ti
     assert [[m["role"] for m in episode] for episode in episodes.completions] == [["assistant", "tool", "assistant"]] * 3
     assert after_tool[0] == after_tool[2] != after_tool[1]
     assert calls[-1]["pixel_values"].shape[:2] == (3, 1)  # the second turn: each row its tool's picture
+
+
+def test_the_es_vlm_example_trains_and_saves_the_model_with_its_processor(tmp_path, tiny_vlm_dir):
+    """examples/es_vlm.py (TRL's grpo_vlm.py with ESTrainer) on the tiny model: it parses its ESConfig with
+    TrlParser, trains on the pictures and saves the model with its processor."""
+    import importlib.util
+
+    from helpers import REPOSITORY
+
+    spec = importlib.util.spec_from_file_location("es_vlm", REPOSITORY / "examples" / "es_vlm.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    out = tmp_path / "es-vlm"
+    trainer = example.main(["--output_dir", str(out), "--model_name_or_path", tiny_vlm_dir, "--max_steps", "1",
+                            "--disable_tqdm", "true"])  # fmt: skip
+    assert trainer.state.global_step == 1 and "rewards/shade_reward/mean" in trainer.state.log_history[0]
+    assert isinstance(AutoProcessor.from_pretrained(out), Idefics3Processor)
+    assert AutoModelForImageTextToText.from_pretrained(out).config.vision_config is not None
