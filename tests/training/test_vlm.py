@@ -268,7 +268,8 @@ def test_a_tool_image_reaches_the_model_for_the_rest_of_the_episode(tmp_path, ti
     scripted(trainer, script)
     calls = recording_generate(trainer.model)
     episodes = trainer.rollout([{"prompt": QUESTION}] * 3, 1, [4, 4, 4], key=0)
-    assert [[m["role"] for m in episode] for episode in episodes.completions] == [["assistant", "tool", "assistant"]] * 3
+    roles = [[message["role"] for message in episode] for episode in episodes.completions]
+    assert roles == [["assistant", "tool", "assistant"]] * 3
     assert after_tool[0] == after_tool[2] != after_tool[1]
     assert calls[-1]["pixel_values"].shape[:2] == (3, 1)  # the second turn: each row its tool's picture
 

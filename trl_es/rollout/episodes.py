@@ -41,13 +41,13 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from transformers import ProcessorMixin
 from trl.chat_template_utils import (
     add_response_schema,
     get_training_chat_template,
     is_chat_template_prefix_preserving,
     supports_tool_calling,
 )
-from transformers import ProcessorMixin
 from trl.data_utils import prepare_multimodal_messages
 from trl.trainer.utils import is_async_callable, shutdown_event_loop_in_daemon, start_event_loop_in_daemon
 
