@@ -228,7 +228,7 @@ def tool_tokenizer(model_dir):
 def scripted(trainer, script):
     """Patch `trainer.model.generate`: the real `generate` runs, then `script(row, prompt_text, generated_ids)` gives
     each row's completion text. Returns the list of batch sizes of the calls."""
-    real, tokenizer, calls = trainer.model.generate, trainer.processing_class, []
+    real, tokenizer, calls = trainer.model.generate, trainer.generation.tokenizer, []
 
     def generate(input_ids, **kwargs):
         output = real(input_ids=input_ids, **kwargs)

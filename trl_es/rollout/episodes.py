@@ -7,9 +7,11 @@ helpers are imported: `supports_tool_calling`, `add_response_schema`, the prefix
 - `tools`: callables (sync or async) with docstrings, rendered into the prompt by the chat template. A completion's
   tool calls are parsed (`parse_response`, when the tokenizer has a response schema), executed (a turn's async calls
   together), their results appended as `tool` messages, and generation continues from prompt + completion + tool
-  results, up to `max_tool_calling_iterations` times. A failing or unknown tool (or one calling `exit()`) becomes
-  `{"error": ...}` text; a turn whose tool results would overflow `max_completion_length` (the whole episode's
-  budget) or the model's context is rolled back and the episode ends there.
+  results, up to `max_tool_calling_iterations` times. A tool may return content blocks; for a vision-language model
+  (a processor as processing_class) its images are expanded into the result's tokens and shown to the model with the
+  prompt's own for the rest of the episode, as GRPOTrainer shows them. A failing or unknown tool (or one calling
+  `exit()`) becomes `{"error": ...}` text; a turn whose tool results would overflow `max_completion_length` (the
+  whole episode's budget) or the model's context is rolled back and the episode ends there.
 - `environment_factory`: a callable (or a dict of them, selected by an `environment` column) making an environment
   with `reset(**row)` (a returned string is appended to the last user message), public methods that become tools,
   and optionally `get_reward()`, an environment-owned reward (weight 1, named after the class). Instances come from
@@ -39,13 +41,13 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from transformers import ProcessorMixin
 from trl.chat_template_utils import (
     add_response_schema,
     get_training_chat_template,
     is_chat_template_prefix_preserving,
     supports_tool_calling,
 )
-from transformers import ProcessorMixin
 from trl.data_utils import prepare_multimodal_messages
 from trl.trainer.utils import is_async_callable, shutdown_event_loop_in_daemon, start_event_loop_in_daemon
 
@@ -94,7 +96,7 @@ class Episode:
     messages: list[dict] = field(default_factory=list)  # the completion: assistant and tool messages
     tool_calls: int = 0
     tool_failures: int = 0
-    images: list = field(default_factory=list)  # a vision-language model's: the prompt's, in the order of their tokens
+    images: list = field(default_factory=list)  # a vision-language model's: the prompt's and its tools', in order
 
 
 class Agents:
@@ -415,12 +417,6 @@ class Agents:
             {"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
             for name, result in zip(names, results, strict=True)
         ]
-        pictured = next((m["name"] for m in messages if message_images([m])), None)
-        if self.processor is not None and pictured is not None:
-            raise ValueError(
-                f"tool {pictured!r} returned an image: ESTrainer does not show a tool's images to a vision-language "
-                "model yet (GRPOTrainer does). Return text (e.g. a description of the image), or use GRPOTrainer"
-            )
         room = self.args.max_completion_length - len(episode.completion_ids)
         lengths = [len(m["content"]) for m in messages if isinstance(m["content"], str)]
         if any(length > room and length > room * self.longest_token for length in lengths):
@@ -433,6 +429,8 @@ class Agents:
         episode.messages += messages
         episode.completion_ids += suffix
         episode.tool_mask += [0] * len(suffix)
+        if self.processor is not None:  # the images the processor expanded into the suffix, shown from now on
+            episode.images = episode.images + message_images(messages)
         return True
 
     def _failed(self, episode: Episode, error: Exception) -> dict:

@@ -532,6 +532,13 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         default=grpo_default("log_unique_prompts"),
         metadata={"group": LOGGING, "help": "In that table, show each prompt once (its first completion)."},
     )
+    log_multimodal: bool = field(
+        default=grpo_default("log_multimodal"),
+        metadata={
+            "group": LOGGING,
+            "help": "In that table, as sent to wandb / trackio, each row's images (an `image` column), as GRPOTrainer.",
+        },
+    )
     num_generations_eval: int | None = field(
         default=grpo_default("num_generations_eval"),
         metadata={

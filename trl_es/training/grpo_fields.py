@@ -46,7 +46,6 @@ IGNORED = {
     "disable_dropout": "ES always generates with dropout off (the model in eval mode)",
     "pad_to_multiple_of": "ES pads each generate call to its longest prompt",
     "vllm_group_port": "ES sends vLLM seeds, never weights, so there is no weight-broadcast group",
-    "log_multimodal": "ESTrainer is text-only",
     "use_transformers_paged": "deprecated in GRPOConfig too",
 }  # fmt: skip
 """GRPOConfig fields ES accepts and ignores, with the reason (any other GRPO-only field: 'not used by ES')."""

@@ -219,10 +219,10 @@ def image_column(dataset) -> str | None:
     return next((name for name in ("images", "image") if name in columns), None)
 
 
-def check_image_data(datasets: list, processing_class, model, args) -> None:
-    """A ValueError for dataset images this run cannot show the model, before anything is built: an 'image' or
-    'images' column needs a vision-language model with its processor (else the model would train on the text
-    alone), and the transformers generation path (vLLM is not given images yet)."""
+def check_vision(datasets: list, processing_class, model, args) -> None:
+    """A ValueError, before anything is built, for what this run cannot show the model: dataset images (an 'image'
+    or 'images' column) need a vision-language model with its processor, else the model would train on the text
+    alone; and a vision-language model needs the transformers generation path (vLLM is not given images yet)."""
     for dataset in datasets:
         column = image_column(dataset)
         if column is None:

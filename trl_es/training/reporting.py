@@ -17,10 +17,11 @@ import pandas as pd
 import torch
 from transformers.integrations import is_trackio_available, is_wandb_available
 from transformers.utils import is_rich_available
-from trl.trainer.utils import print_prompt_completions_sample
+from trl.trainer.utils import print_prompt_completions_sample, strip_images_from_messages
 
 from ..es.seeds import eval_seed
 from ..evaluation import evaluate_batch, summarize_records
+from ..generation.base import message_images
 from ..tasks import get_task
 
 
@@ -63,7 +64,9 @@ class ReportingMixin:
         `completions` table to wandb / trackio when `report_to` names them."""
         prompts, completions, rewards, extras = self.population.last_completions
         step = self.state.global_step
-        table = pd.DataFrame({"step": [step] * len(prompts), "prompt": prompts, "completion": completions,
+        images = [message_images(p) + message_images(c) for p, c in zip(prompts, completions, strict=True)]
+        strip = lambda column: list(map(strip_images_from_messages, column))  # noqa: E731 (the pictures, as GRPO)
+        table = pd.DataFrame({"step": [step] * len(prompts), "prompt": strip(prompts), "completion": strip(completions),
                               **rewards, **extras})  # fmt: skip
         folder = os.path.join(self.args.output_dir, "completions")
         os.makedirs(folder, exist_ok=True)
@@ -93,11 +96,18 @@ class ReportingMixin:
             import wandb
 
             if wandb.run is not None:
-                wandb.log({"completions": wandb.Table(dataframe=table)})
+                wandb.log({"completions": wandb.Table(dataframe=self._with_images(table, images, wandb))})
         if "trackio" in report_to and is_trackio_available():
             import trackio
 
-            trackio.log({"completions": trackio.Table(dataframe=table)})
+            trackio.log({"completions": trackio.Table(dataframe=self._with_images(table, images, trackio))})
+
+    def _with_images(self, table: pd.DataFrame, images: list[list], backend) -> pd.DataFrame:
+        """The completions table a tracker logs: with `log_multimodal` and images, an `image` column holding each
+        row's images (`images`, by the table's row labels) as the tracker's `Image`s, as GRPOTrainer logs them."""
+        if not (self.args.log_multimodal and any(images)):
+            return table
+        return table.assign(image=[[backend.Image(image) for image in images[row]] for row in table.index])
 
     @torch.no_grad()
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:

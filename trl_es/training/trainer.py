@@ -30,14 +30,14 @@ from .loading import (
     DataMixin,
     check_args,
     check_eval_dataset,
-    check_image_data,
     check_model_type,
     check_optimizer_parameters,
     check_optimizers,
     check_setup,
-    keep_theta_in_float32,
+    check_vision,
     es_candidates,
     eval_datasets,
+    keep_theta_in_float32,
     prepare_model,
     training_dataset,
 )
@@ -123,7 +123,7 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         model, processing_class, eos_ids = prepare_model(
             model, args, processing_class, peft_config, quantization_config
         )
-        check_image_data([train_dataset, *eval_datasets(eval_dataset)], processing_class, model, args)
+        check_vision([train_dataset, *eval_datasets(eval_dataset)], processing_class, model, args)
         self.agents = None
         if tools or environment_factory is not None:
             self.agents = Agents(processing_class, args, tools, environment_factory)

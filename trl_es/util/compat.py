@@ -132,7 +132,6 @@ def tool_suffix_ids(
     from types import SimpleNamespace
 
     from transformers import ProcessorMixin
-
     from trl import GRPOTrainer
 
     is_vlm = isinstance(processing_class, ProcessorMixin)
