@@ -23,8 +23,14 @@ def build_tiny_model(path, tokenizer_dir, dtype=torch.float32, seed=0, moe=False
     `moe=True`: a 2-layer Qwen3-MoE instead (4 experts, top-2, fused 3-D expert tensors; heads of 32 dimensions so
     vLLM's CPU attention runs it too). `config_overrides` replace config fields (vLLM's CPU attention needs heads of
     ≥32 dimensions)."""
-    from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig
-    from transformers import Qwen3MoeForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     values = dict(
@@ -312,8 +318,13 @@ def build_tiny_vlm(path, tokenizer_dir, seed=0):
     vocabulary, saved with its processor (transformers' PIL image processor, no torchvision; SmolLM2's tokenizer with
     the image tokens; TRL's Idefics3 chat template). Weights drawn with std 0.2, so that completions depend on the
     image visibly. Loadable with AutoProcessor and AutoModelForImageTextToText."""
-    from transformers import AutoTokenizer, GenerationConfig, Idefics3Config, Idefics3ForConditionalGeneration
-    from transformers import Idefics3Processor
+    from transformers import (
+        AutoTokenizer,
+        GenerationConfig,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3Processor,
+    )
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
     from trl.chat_template_utils import idefics3_chat_template
 

@@ -328,5 +328,3 @@ def test_images_for_a_text_model_are_refused_not_trained_on_their_text(tmp_path,
     for datasets in ({"train_dataset": with_images}, {"train_dataset": chats, "eval_dataset": with_images}):
         with pytest.raises(ValueError, match=f"has an '{column}' column.*a text-only model.*train on the text alone"):
             ESTrainer(tiny_model_dir, even_token_share, args=config(tmp_path), **datasets)
-
-

@@ -7,7 +7,6 @@ import torch
 from datasets import Dataset
 from helpers import assert_same_weights, solid_image, weights
 from helpers import es_config as config
-from test_trackers import no_network, trackio_store  # noqa: F401 (the trackio fixture and the one it uses)
 from transformers import AutoModelForImageTextToText, AutoProcessor, Idefics3Processor
 
 from trl_es import ESTrainer
@@ -65,8 +64,9 @@ def test_generation_equals_transformers_generate_on_the_processor_inputs(tmp_pat
     trainer = vlm_trainer(tmp_path, tiny_vlm_dir, generation_kwargs={"do_sample": False})
     rows = list(shades(40, 200))
     ours = trainer.rollout(rows, 1, [0, 0]).completion_ids
-    processor, model = AutoProcessor.from_pretrained(tiny_vlm_dir), AutoModelForImageTextToText.from_pretrained(
-        tiny_vlm_dir
+    processor, model = (
+        AutoProcessor.from_pretrained(tiny_vlm_dir),
+        AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir),
     )
     for row, completion in zip(rows, ours, strict=True):
         messages = [{"role": "user", "content": [{"type": "image", "image": row["image"]},

@@ -32,7 +32,9 @@ def decoding_config(tokenizer, eos_token_ids: list[int], max_new_tokens: int, **
     return GenerationConfig(**settings, disable_compile=True)
 
 
-def generation_config(args, tokenizer, eos_token_ids: list[int], image_token_id: int | None = None) -> GenerationConfig:
+def generation_config(
+    args, tokenizer, eos_token_ids: list[int], image_token_id: int | None = None
+) -> GenerationConfig:
     """The trainer's GenerationConfig from ESConfig's generation fields, as GRPOTrainer builds it: a vision-language
     model never samples its image token (`image_token_id`), which would have no image features."""
     fields = [f.name for f in dataclasses.fields(args) if f.metadata.get("decoding")]
