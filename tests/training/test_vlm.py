@@ -145,6 +145,23 @@ def test_resume_from_checkpoint_gives_the_uninterrupted_weights(tmp_path, tiny_v
     assert_same_weights(resumed.model, weights(full.model))
 
 
+def test_the_seed_chain_replays_to_the_trained_weights_with_the_processor(tmp_path, tiny_vlm_dir):
+    """`trl-es replay` of a VLM run's chain (its base found from the chain) rebuilds the trained weights bitwise, as
+    a model directory that loads as a VLM again, with its processor."""
+    from trl_es.cli import main as cli
+
+    trainer = vlm_trainer(tmp_path, tiny_vlm_dir, max_steps=3)
+    trainer.train()
+    trainer.save_model()
+    trained = weights(trainer.model)
+    assert cli(["replay", "--chain", str(tmp_path / "out"), "--out", str(tmp_path / "rebuilt")]) == 0
+    assert isinstance(AutoProcessor.from_pretrained(tmp_path / "rebuilt"), Idefics3Processor)
+    rebuilt = AutoModelForImageTextToText.from_pretrained(tmp_path / "rebuilt")
+    assert_same_weights(rebuilt, trained)
+    start = AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir)
+    assert any(not torch.equal(p, trained[n]) for n, p in start.named_parameters())  # training moved the weights
+
+
 def test_lora_on_the_language_model_trains_the_adapter_alone(tmp_path, tiny_vlm_dir):
     from peft import LoraConfig
 
