@@ -97,14 +97,17 @@ def test_every_member_row_of_the_mixed_batch_carries_its_prompt_image(tmp_path, 
 
 def test_training_moves_the_language_model_and_leaves_the_vision_tower(tmp_path, tiny_vlm_dir):
     """By default ES perturbs the language model alone (the decoder and its output head): two steps change its
-    weights and leave the vision tower and the connector bitwise as they were."""
-    trainer = vlm_trainer(tmp_path, tiny_vlm_dir)
+    weights and leave the vision tower and the connector bitwise as they were. The completions' token entropy is
+    logged, finite though the image token is suppressed (its probability 0)."""
+    trainer = vlm_trainer(tmp_path, tiny_vlm_dir, log_completion_entropy=True)
     assert trainer.es_params and all(name.startswith("model.text_model.") for name in trainer.es_params)
     before = weights(trainer.model)
     trainer.train()
     moved = {name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])}
     assert moved == set(trainer.es_params)
     assert not any(name.startswith(("model.vision_model.", "model.connector.")) for name in moved)
+    entropies = [log["completions/mean_token_entropy"] for log in trainer.state.log_history if "reward" in log]
+    assert len(entropies) == 2 and all(0 < entropy < 20 for entropy in entropies)  # nats; NaN fails both
 
 
 def test_es_parameter_patterns_can_select_the_vision_tower(tmp_path, tiny_vlm_dir):

@@ -77,6 +77,8 @@ def test_mean_token_entropy_by_hand():
     logits[1, :, 0] = 100.0  # the second sequence is (almost) certain: 0
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     assert mean_token_entropy(logits, mask) == pytest.approx((2 * math.log(4) + 0.0) / 3, abs=1e-6)
+    logits[0, :, 3] = -math.inf  # a token masked out (suppress_tokens): 0·log 0 = 0, uniform over the other 3
+    assert mean_token_entropy(logits, mask) == pytest.approx((2 * math.log(3) + 0.0) / 3, abs=1e-6)
 
 
 def test_js_diversity_by_hand():

@@ -14,9 +14,10 @@ from .base import Generation
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """H(softmax(logits)) = −Σ_v p_v log p_v (nats) over the last dimension."""
+    """H(softmax(logits)) = −Σ_v p_v log p_v (nats) over the last dimension, with 0·log 0 = 0: a token a logits
+    processor masked to −∞ (e.g. a VLM's image token, suppressed) adds nothing instead of a NaN."""
     logp = logits.float().log_softmax(-1)
-    return -(logp.exp() * logp).sum(-1)
+    return -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
 
 
 class EntropyRecorder(LogitsProcessor):
