@@ -105,7 +105,8 @@ def accelerate_launch(num_processes: int, *command: str, backend=("--multi_gpu",
         "--main_process_port",
         str(free_port()),
     ]
-    env = {**os.environ, "PYTHONPATH": str(TESTS), **(env or {})}
+    # the helpers, and this checkout's trl_es (not another the environment may have installed)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(TESTS), str(REPOSITORY))), **(env or {})}
     return subprocess.run([*launch, *command], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
 
 

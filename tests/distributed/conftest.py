@@ -1,7 +1,7 @@
 """The distributed tests' shared runs: the 1-process reference and ONE 2-process launch of the harness
 (`multiprocess_es.py`) that runs every regression-guard scenario, the user script's runs (logged; an adapter on an
-8-bit base) and, last, a run whose reward raises on process 1. Several test modules assert on what these runs
-wrote."""
+8-bit base; bf16; a vision-language model on pictures) and, last, a run whose reward raises on process 1. Several
+test modules assert on what these runs wrote."""
 
 import os
 from pathlib import Path
@@ -27,33 +27,36 @@ def model_dir(tmp_path_factory, tokenizer_dir) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("mp") / "model", tokenizer_dir)
 
 
-def user_runs(guard_models: Path, model_dir: str) -> list[dict]:
+def user_runs(guard_models: Path, model_dir: str, vlm_dir: str) -> list[dict]:
     """The user script's runs of both launches: the logged run, a LoRA adapter on the guard's model loaded in 8
-    bits (its linears are wide enough for bitsandbytes), and the logged run computed in bfloat16 (bf16)."""
+    bits (its linears are wide enough for bitsandbytes), the logged run computed in bfloat16 (bf16), and the tiny
+    vision-language model on a picture per prompt."""
     return [
         {"name": "logged", "model": model_dir},
         {"name": "qlora", "model": str(guard_models / "model"), "quantized": True},
         {"name": "bf16", "model": model_dir, "overrides": {"bf16": True}},
+        {"name": "vlm", "model": vlm_dir, "vlm": True},
     ]
 
 
 @pytest.fixture(scope="session")
-def one_process(guard_models, model_dir, tmp_path_factory) -> Path:
+def one_process(guard_models, model_dir, tiny_vlm_dir, tmp_path_factory) -> Path:
     """The reference, in this process: every guard scenario (OUT/hashes-rank0.json) and the user script's runs."""
     out = tmp_path_factory.mktemp("one-process")
     os.environ.pop("RANK", None)
-    assert multiprocess_es.main(str(out), [*guard_runs(guard_models), *user_runs(guard_models, model_dir)])
+    runs = [*guard_runs(guard_models), *user_runs(guard_models, model_dir, tiny_vlm_dir)]
+    assert multiprocess_es.main(str(out), runs)
     return out
 
 
 @pytest.fixture(scope="session")
-def two_processes(guard_models, model_dir, tmp_path_factory) -> Path:
+def two_processes(guard_models, model_dir, tiny_vlm_dir, tmp_path_factory) -> Path:
     """One launch with 2 processes (the shipped examples/accelerate/cpu_two_processes.yaml): every guard scenario,
     the user script's runs, and last the run whose reward raises on process 1 (which ends the launch)."""
     out = tmp_path_factory.mktemp("two-processes")
     runs = [  # the adapter scenario's 2 processes run through vLLM (test_regression_guard.py), not twice
         *guard_runs(guard_models, scenarios=[s for s in regression_guard.SCENARIOS if s != "adapter"]),
-        *user_runs(guard_models, model_dir),
+        *user_runs(guard_models, model_dir, tiny_vlm_dir),
         {"name": "raise", "model": model_dir, "fault": "raise"},
     ]
     shipped = ("--config_file", str(REPOSITORY / "examples" / "accelerate" / "cpu_two_processes.yaml"))

@@ -9,7 +9,8 @@ with `upper_vocab_share` (greedy), writing OUT_DIR/<name>/ — the model (main p
 parameter) and `result-rank{r}.json` (log history, or the error and whether θ was restored). A run's `fault` makes
 process 1 misbehave at step 1: `raise` (its reward function raises), `hang` (it sleeps past `ddp_timeout`), `kill`
 (it kills itself with SIGKILL). A run with `"quantized": true` trains a LoRA adapter on the model loaded in 8 bits
-by bitsandbytes (QLoRA). A failing run must come last: the processes leave after it.
+by bitsandbytes (QLoRA); one with `"vlm": true` trains a vision-language model on the prompts as conversations, each
+with a picture of its own shade. A failing run must come last: the processes leave after it.
 """
 
 import contextlib
@@ -24,7 +25,7 @@ from pathlib import Path
 import regression_guard  # registers the guard's search space before any trainer is built; vLLM's CPU settings
 import torch
 from datasets import Dataset
-from helpers import accelerate_launch
+from helpers import accelerate_launch, solid_image
 from transformers import TrainerCallback
 
 from trl_es import ESConfig, ESTrainer
@@ -62,11 +63,17 @@ def quantized_adapter() -> dict:
     return {"quantization_config": BitsAndBytesConfig(load_in_8bit=True), "peft_config": adapter}
 
 
-def train(model_dir: str, out_dir: str, overrides: dict, fault: str | None = None, quantized=False) -> dict:
+def shaded(prompts: list[str]) -> Dataset:
+    """The prompts as conversations, prompt k with a grey picture of level 32·k (a vision-language model's data)."""
+    images = [solid_image(32 * k) for k in range(len(prompts))]
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts], "image": images})
+
+
+def train(model_dir: str, out_dir: str, overrides: dict, fault: str | None = None, quantized=False, vlm=False) -> dict:
     """The user script's run into `out_dir`; its result (also written there, per process)."""
     FAULT["fault"] = fault
     prompts = [f"Count to {n}:" for n in range(1, 9)]
-    dataset = Dataset.from_dict({"prompt": prompts})
+    dataset = shaded(prompts) if vlm else Dataset.from_dict({"prompt": prompts})
     values = dict(
         output_dir=out_dir,
         population_size=5,
@@ -162,7 +169,7 @@ def main(out_dir: str, runs: list[dict]) -> bool:
             folder = out / run["name"]
             folder.mkdir(parents=True, exist_ok=True)
             overrides, fault, quantized = dict(run.get("overrides", {})), run.get("fault"), run.get("quantized", False)
-            ok = "error" not in train(run["model"], str(folder), overrides, fault, quantized)
+            ok = "error" not in train(run["model"], str(folder), overrides, fault, quantized, run.get("vlm", False))
         gc.collect()  # a finished trainer's vLLM engine shuts down here, not inside the next run
         world = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
         assert world is group, f"after {run}: the process group accelerate made was destroyed"

@@ -136,6 +136,37 @@ def test_two_processes_give_the_one_process_weights_with_bf16(one_process, two_p
         assert_equal_weights(rank_weights(two_processes / "bf16", rank), expected)
 
 
+def test_two_processes_give_the_one_process_vision_language_model(tiny_vlm_dir, one_process, two_processes):
+    """The tiny VLM on a picture per prompt: every process reads the same rows, images included, and evaluates its
+    share of the members (6 slots dealt round-robin), so both end with the 1-process run's weights and log its
+    rewards and evaluation (the eval rows, with their images, split across the processes). The main process saves
+    the model with its processor."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor, Idefics3Processor
+
+    expected, reference = rank_weights(one_process / "vlm", 0), results(one_process / "vlm")[0]
+    start = dict(AutoModelForImageTextToText.from_pretrained(tiny_vlm_dir).named_parameters())
+    moved = {name for name, p in expected.items() if not torch.equal(p, start[name])}
+    assert moved and all(name.startswith("model.text_model.") for name in moved)  # the language model trained
+    runs = results(two_processes / "vlm")
+    assert {r: run["num_processes"] for r, run in runs.items()} == {0: 2, 1: 2}
+    for rank in (0, 1):
+        assert_equal_weights(rank_weights(two_processes / "vlm", rank), expected)
+    steps, reference_steps = ([e for e in run["log_history"] if "reward" in e] for run in (runs[0], reference))
+    assert len(steps) == 3 and len({entry["reward"] for entry in steps}) > 1
+    for entry, ref in zip(steps, reference_steps, strict=True):
+        assert same(entry, ref, REWARD_METRICS)
+        assert 0 < entry["completions/mean_token_entropy"] == pytest.approx(ref["completions/mean_token_entropy"])
+    assert same(evaluation(runs[0]), evaluation(reference), EVAL_METRICS)
+    assert (
+        0
+        < evaluation(runs[0])["eval_mean_token_entropy"]
+        == pytest.approx(evaluation(reference)["eval_mean_token_entropy"])
+    )
+    assert isinstance(AutoProcessor.from_pretrained(two_processes / "vlm"), Idefics3Processor)
+    saved = AutoModelForImageTextToText.from_pretrained(two_processes / "vlm")
+    assert_equal_weights(dict(saved.named_parameters()), expected)
+
+
 def write_recipe(folder: Path, model_dir: str) -> None:
     """The reference run's settings as a `trl-es es` recipe, with the prompts as a local JSONL file."""
     (folder / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": f"Count to {n}:"}) for n in range(1, 9)))
@@ -153,7 +184,7 @@ def test_cli_resolves_trl_accelerate_config_short_names(tmp_path, model_dir, one
     command = [sys.executable, "-m", "trl_es.cli", "es", "--config", "recipe.yaml"]
     env = {
         **os.environ,
-        "PYTHONPATH": f"{TESTS}:{Path(__file__).parent}",
+        "PYTHONPATH": os.pathsep.join(map(str, (TESTS, Path(__file__).parent, REPOSITORY))),
         "DS_ACCELERATOR": "cpu",
         "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(EXTENSIONS)),
     }
