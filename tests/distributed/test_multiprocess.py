@@ -153,15 +153,14 @@ def test_two_processes_give_the_one_process_vision_language_model(tiny_vlm_dir, 
         assert_equal_weights(rank_weights(two_processes / "vlm", rank), expected)
     steps, reference_steps = ([e for e in run["log_history"] if "reward" in e] for run in (runs[0], reference))
     assert len(steps) == 3 and len({entry["reward"] for entry in steps}) > 1
-    for entry, ref in zip(steps, reference_steps, strict=True):
+    for entry, ref in zip(steps, reference_steps, strict=True):  # entropies: finite, summed in another order
         assert same(entry, ref, REWARD_METRICS)
-        assert 0 < entry["completions/mean_token_entropy"] == pytest.approx(ref["completions/mean_token_entropy"])
-    assert same(evaluation(runs[0]), evaluation(reference), EVAL_METRICS)
-    assert (
-        0
-        < evaluation(runs[0])["eval_mean_token_entropy"]
-        == pytest.approx(evaluation(reference)["eval_mean_token_entropy"])
-    )
+        entropy = entry["completions/mean_token_entropy"]
+        assert 0 < entropy == pytest.approx(ref["completions/mean_token_entropy"], rel=1e-5)
+    evaluated, reference_evaluated = evaluation(runs[0]), evaluation(reference)
+    assert same(evaluated, reference_evaluated, EVAL_METRICS)
+    entropy = evaluated["eval_mean_token_entropy"]
+    assert 0 < entropy == pytest.approx(reference_evaluated["eval_mean_token_entropy"], rel=1e-5)
     assert isinstance(AutoProcessor.from_pretrained(two_processes / "vlm"), Idefics3Processor)
     saved = AutoModelForImageTextToText.from_pretrained(two_processes / "vlm")
     assert_equal_weights(dict(saved.named_parameters()), expected)
