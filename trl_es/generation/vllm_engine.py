@@ -190,10 +190,17 @@ class Colocated:
         return self.llm.collective_rpc(method, args=(json.dumps(payload), *extra))
 
     def generate(
-        self, prompt_ids: list[list[int]], settings: list[dict], adapters: list[int] | None = None
+        self,
+        prompt_ids: list[list[int]],
+        settings: list[dict],
+        adapters: list[int] | None = None,
+        images: list[list] | None = None,
+        expanded: list[list[int]] | None = None,
     ) -> list[tuple[list[int], str]]:
         """One completion per prompt, prompt r with `SamplingParams(**settings[r])` and, with `adapters`, through the
-        LoRA adapter of id `adapters[r]` (registered by the worker: never loaded from its path)."""
+        LoRA adapter of id `adapters[r]` (registered by the worker: never loaded from its path). With `images`,
+        prompt r shows `images[r]` (vLLM's `multi_modal_data`): its ids hold one placeholder token per image, which
+        vLLM expands; the prompt vLLM then ran must be `expanded[r]` (the processor's), else a RuntimeError."""
         from vllm import SamplingParams
         from vllm.lora.request import LoRARequest
 
@@ -201,7 +208,17 @@ class Colocated:
         params = [SamplingParams(**row) for row in settings]
         lora = None if adapters is None else [LoRARequest(f"es-member-{i}", i, "es-member") for i in adapters]
         prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+        for prompt, row_images in zip(prompts, images or [], strict=True):
+            if row_images:
+                prompt["multi_modal_data"] = {"image": list(row_images)}
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+        for r, output in enumerate(outputs if images else []):
+            if list(output.prompt_token_ids) != expanded[r]:
+                raise RuntimeError(
+                    f"vLLM expanded prompt {r}'s images into other tokens than the processor did "
+                    f"({len(output.prompt_token_ids)} tokens, the processor's {len(expanded[r])}): its completions "
+                    "would not be the model's on the trainer's prompt"
+                )
         return [(list(output.outputs[0].token_ids), output.outputs[0].finish_reason) for output in outputs]
 
     def reset_prefix_cache(self) -> None:
