@@ -497,3 +497,12 @@ def test_vllm_vision_members_complete_as_transformers_and_the_centre_restores_bi
     assert vlm["centre_equal"] and len(vlm["members"]) == 2
     assert all(member["completions_equal"] and member["differ_from_centre"] for member in vlm["members"])
     assert vlm["restored_bitwise"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vision_tower_members_reach_vllms_tower(vlm):
+    """es_parameter_patterns selecting the vision tower and the connector: members are written in place into vLLM's
+    tower (its fused q/k/v with their biases), and the run is the transformers path's."""
+    assert vlm["tower_members_in_place"] is True and vlm["tower_moved"]
+    assert vlm["tower_vllm_rewards"] == vlm["tower_hf_rewards"] and vlm["tower_same_final_weights"]

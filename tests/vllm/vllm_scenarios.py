@@ -510,6 +510,14 @@ def vlm(out: Path) -> dict:
         local.restore()
     vl.weights.center()
     results["restored_bitwise"] = all(torch.equal(t, before[n]) for n, t in inside.state_dict().items())
+
+    # the vision tower and the connector selected: members written into vLLM's tower (q/k/v fused, with biases)
+    towers = dict(settings, es_parameter_patterns=[r"vision_model\.encoder|connector"])
+    tower_hf, results["tower_hf_rewards"], _ = run(out, model_dir, "tower-hf", **towers)
+    tower, results["tower_vllm_rewards"], _ = run(out, model_dir, "tower-vllm", use_vllm=True, **towers)
+    results["tower_members_in_place"] = tower.weights.members_in_place
+    results["tower_same_final_weights"] = fingerprint(tower_hf.model) == fingerprint(tower.model)
+    results["tower_moved"] = fingerprint(tower.model) != fingerprint(hf.model)
     return results
 
 

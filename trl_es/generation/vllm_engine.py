@@ -222,7 +222,11 @@ class Colocated:
         return [(list(output.outputs[0].token_ids), output.outputs[0].finish_reason) for output in outputs]
 
     def reset_prefix_cache(self) -> None:
+        """Drop vLLM's caches keyed by tokens and images, not weights: the prefix cache and, for a vision-language
+        model, the encoder cache (its images' embeddings, which a member over the vision tower changes)."""
         self.llm.reset_prefix_cache()
+        if self.llm.llm_engine.model_config.is_multimodal_model:
+            self.llm.llm_engine.reset_encoder_cache()
 
 
 class Server:
