@@ -208,11 +208,11 @@ class Colocated:
         params = [SamplingParams(**row) for row in settings]
         lora = None if adapters is None else [LoRARequest(f"es-member-{i}", i, "es-member") for i in adapters]
         prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
-        for prompt, row_images in zip(prompts, images or [], strict=True):
+        for prompt, row_images in zip(prompts, images, strict=True) if images else ():
             if row_images:
                 prompt["multi_modal_data"] = {"image": list(row_images)}
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
-        for r, output in enumerate(outputs if images else []):
+        for r, output in enumerate(outputs) if images else ():
             if list(output.prompt_token_ids) != expanded[r]:
                 raise RuntimeError(
                     f"vLLM expanded prompt {r}'s images into other tokens than the processor did "
