@@ -11,8 +11,8 @@ Each row is a conversation (a system prompt and a question) and an `image` colum
 puts the image into the user message and shows it to every member. The dataset is made here, offline: pictures of
 one grey shade, asked "Is this picture dark or light?"; `shade_reward` gives 1 for the right word, and TRL's
 `think_format_reward` checks the <think> format, as TRL's script does. What changes for ES: ESConfig's fields (the
-population, σ, α), the dataset (TRL's downloads lmms-lab/multimodal-open-r1-8k-verified), and no vLLM (refused for
-vision-language models for now). By default ES perturbs the language model only: the vision tower stays as it is
+population, σ, α), the dataset (TRL's downloads lmms-lab/multimodal-open-r1-8k-verified), and vLLM (`--use_vllm`) in
+colocate mode with full-rank members only (not with `--use_peft`). By default ES perturbs the language model only: the vision tower stays as it is
 unless `--es_parameter_patterns` selects it (docs/vlm.md).
 """
 

@@ -338,7 +338,7 @@ def build_tiny_vlm(path, tokenizer_dir, seed=0):
     text = dict(model_type="llama", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
                 num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
                 initializer_range=0.2, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+                pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)  # fmt: skip
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=56,
                   patch_size=14, initializer_range=0.2)  # fmt: skip
     config = Idefics3Config(text_config=text, vision_config=vision, image_token_id=processor.image_token_id,

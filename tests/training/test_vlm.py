@@ -186,9 +186,25 @@ def test_lowrank_search_space_trains_the_language_model(tmp_path, tiny_vlm_dir):
     assert moved and all(name.startswith("model.text_model.") for name in moved)
 
 
-def test_vllm_with_a_vision_language_model_is_refused_before_the_engine_starts(tmp_path, tiny_vlm_dir):
-    with pytest.raises(ValueError, match="use_vllm=True with a vision-language model.*does not pass images to vLLM"):
-        vlm_trainer(tmp_path, tiny_vlm_dir, use_vllm=True, vllm_mode="colocate")
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"vllm_mode": "server"}, r"vllm_mode='server' sends token ids over HTTP, without the images"),
+        ({"es_search_space": "lowrank"}, r"es_search_space='lowrank' evaluates members as LoRA adapters"),
+        ({"peft": True}, r"an adapter's members are LoRA adapters"),
+    ],
+)
+def test_what_vllm_cannot_show_a_vision_language_model_is_refused_before_the_engine_starts(
+    tmp_path, tiny_vlm_dir, overrides, message
+):
+    """vLLM takes images in colocate mode with full-rank members (tests/vllm); a server, low-rank members and an
+    adapter's members are refused, naming why."""
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=2, target_modules=r".*text_model.*\.q_proj") if overrides.pop("peft", False) else None
+    args = config(tmp_path, per_device_train_batch_size=2, use_vllm=True, **overrides)
+    with pytest.raises(ValueError, match=rf"use_vllm=True with a vision-language model .*{message}"):
+        ESTrainer(tiny_vlm_dir, even_token_share, args=args, train_dataset=shades(0, 255), peft_config=lora)
 
 
 def test_images_need_the_processor_and_conversational_prompts(tmp_path, tiny_vlm_dir, tiny_model_dir):

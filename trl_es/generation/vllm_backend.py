@@ -197,10 +197,10 @@ class VLLMGeneration(Generation):
             return self.engine.llm.llm_engine.model_config.max_model_len
         return super().max_model_length
 
-    def generate_ids(self, rows, seeds, record_entropy=False, max_new_tokens=None):
+    def generate_ids(self, rows, seeds, record_entropy=False, max_new_tokens=None, images=None):
         """One completion per row, as the transformers backend's `generate_ids`: each row is its own request, sampled
         with its own seed (vLLM keeps a generator per seeded request), so its tokens never depend on which rows share
-        the call. No token entropy."""
+        the call; `images[r]`, row r's images (colocate mode: `collapse_images`). No token entropy."""
         if record_entropy:
             raise ValueError(
                 "token entropy needs the full next-token distribution, which vLLM does not return: "
@@ -212,7 +212,12 @@ class VLLMGeneration(Generation):
         greedy = settings["temperature"] == 0
         row_settings = [settings if greedy else {**settings, "seed": seed} for seed in seeds]
         adapters = self.row_adapters if self.row_adapters is not None else self.default_adapter
-        if adapters is None:
+        if images and any(images):
+            placeholders = [
+                self.collapse_images(row, row_images) for row, row_images in zip(rows, images, strict=True)
+            ]
+            outputs = self.engine.generate(placeholders, row_settings, images=images, expanded=rows)
+        elif adapters is None:
             outputs = self.engine.generate(rows, row_settings)
         else:  # inside a members' context: each row through its member's adapter (an adapter's θ: slot 0)
             adapters = [adapters] * len(rows) if isinstance(adapters, int) else adapters
@@ -220,6 +225,21 @@ class VLLMGeneration(Generation):
                 raise ValueError(f"the members route {len(adapters)} rows, the call has {len(rows)}")
             outputs = self.engine.generate(rows, row_settings, adapters)
         return [ids for ids, _ in outputs], [reason == "length" for _, reason in outputs], None
+
+    def collapse_images(self, row: list[int], images: list) -> list[int]:
+        """`row` with each image's tokens (the processor's expansion of its image token, in order) back to the one
+        image token vLLM expands itself: vLLM takes token prompts with their images unexpanded."""
+        processor, collapsed, start = self.processor, list(row), 0
+        token = processor.image_token_id
+        for index, image in enumerate(images):
+            span = processor(text=processor.image_token, images=[image], add_special_tokens=False)["input_ids"][0]
+            at = next((i for i in range(start, len(collapsed) - len(span) + 1) if collapsed[i : i + len(span)] == span),
+                      None)  # fmt: skip
+            if at is None:
+                raise ValueError(f"a prompt's ids do not hold the processor's tokens for its image {index}")
+            collapsed[at : at + len(span)] = [token]
+            start = at + 1
+        return collapsed
 
 
 class VLLMWeights:

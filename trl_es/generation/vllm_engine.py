@@ -190,10 +190,17 @@ class Colocated:
         return self.llm.collective_rpc(method, args=(json.dumps(payload), *extra))
 
     def generate(
-        self, prompt_ids: list[list[int]], settings: list[dict], adapters: list[int] | None = None
+        self,
+        prompt_ids: list[list[int]],
+        settings: list[dict],
+        adapters: list[int] | None = None,
+        images: list[list] | None = None,
+        expanded: list[list[int]] | None = None,
     ) -> list[tuple[list[int], str]]:
         """One completion per prompt, prompt r with `SamplingParams(**settings[r])` and, with `adapters`, through the
-        LoRA adapter of id `adapters[r]` (registered by the worker: never loaded from its path)."""
+        LoRA adapter of id `adapters[r]` (registered by the worker: never loaded from its path). With `images`,
+        prompt r shows `images[r]` (vLLM's `multi_modal_data`): its ids hold one placeholder token per image, which
+        vLLM expands; the prompt vLLM then ran must be `expanded[r]` (the processor's), else a RuntimeError."""
         from vllm import SamplingParams
         from vllm.lora.request import LoRARequest
 
@@ -201,11 +208,25 @@ class Colocated:
         params = [SamplingParams(**row) for row in settings]
         lora = None if adapters is None else [LoRARequest(f"es-member-{i}", i, "es-member") for i in adapters]
         prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+        for prompt, row_images in zip(prompts, images, strict=True) if images else ():
+            if row_images:
+                prompt["multi_modal_data"] = {"image": list(row_images)}
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+        for r, output in enumerate(outputs) if images else ():
+            if list(output.prompt_token_ids) != expanded[r]:
+                raise RuntimeError(
+                    f"vLLM expanded prompt {r}'s images into other tokens than the processor did "
+                    f"({len(output.prompt_token_ids)} tokens, the processor's {len(expanded[r])}): its completions "
+                    "would not be the model's on the trainer's prompt"
+                )
         return [(list(output.outputs[0].token_ids), output.outputs[0].finish_reason) for output in outputs]
 
     def reset_prefix_cache(self) -> None:
+        """Drop vLLM's caches keyed by tokens and images, not weights: the prefix cache and, for a vision-language
+        model, the encoder cache (its images' embeddings, which a member over the vision tower changes)."""
         self.llm.reset_prefix_cache()
+        if self.llm.llm_engine.model_config.is_multimodal_model:
+            self.llm.llm_engine.reset_encoder_cache()
 
 
 class Server:

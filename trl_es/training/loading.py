@@ -222,7 +222,7 @@ def image_column(dataset) -> str | None:
 def check_vision(datasets: list, processing_class, model, args) -> None:
     """A ValueError, before anything is built, for what this run cannot show the model: dataset images (an 'image'
     or 'images' column) need a vision-language model with its processor, else the model would train on the text
-    alone; and a vision-language model needs the transformers generation path (vLLM is not given images yet)."""
+    alone; and vLLM shows a vision-language model images in colocate mode with full-rank members only."""
     for dataset in datasets:
         column = image_column(dataset)
         if column is None:
@@ -235,11 +235,18 @@ def check_vision(datasets: list, processing_class, model, args) -> None:
                 "Use a vision-language model with its processor (the default processing_class), or remove the column"
             )
     if args.use_vllm and is_vision_language(model):
-        raise ValueError(
-            f"use_vllm=True with a vision-language model ({type(model).__name__}): ESTrainer does not pass images to "
-            "vLLM yet (nor load a vision-language model into it). Use the transformers generation path "
-            "(use_vllm=False), which shows each prompt's images to every member"
-        )
+        why = None
+        if args.vllm_mode == "server":
+            why = "vllm_mode='server' sends token ids over HTTP, without the images"
+        elif args.es_search_space == "lowrank":
+            why = "es_search_space='lowrank' evaluates members as LoRA adapters, not run with images here"
+        elif is_peft_model(model):
+            why = "an adapter's members are LoRA adapters, not run with images here"
+        if why:
+            raise ValueError(
+                f"use_vllm=True with a vision-language model ({type(model).__name__}): {why}. Use vllm_mode="
+                "'colocate' with full-rank members (es_search_space='full'), or the transformers path (use_vllm=False)"
+            )
 
 
 def check_prompt_dataset(dataset, name: str = "train_dataset") -> None:
