@@ -37,6 +37,8 @@ import shutil
 import subprocess
 import sys
 
+from trl_es.util.atomic import atomic_write_text
+
 
 ES = {"population_size": 8, "sigma": 5e-3, "learning_rate": 5e-3, "per_device_train_batch_size": 8}
 """The demo's ES settings, which every ES variant overrides."""
@@ -58,6 +60,7 @@ SETTINGS = {
     "lowrank-n32": {"es_search_space": "lowrank", "population_size": 32, "learning_rate": 8e-3},
     "anchor-0.1": {"es_anchor_decay": 0.1},
     "anchor-0.3": {"es_anchor_decay": 0.3},
+    "sampled-t0.6": {"generation_kwargs": {"do_sample": True}, "temperature": 0.6},
 }
 """ES variants (overrides of `ES`). `antithetic-ranks-scaled` triples α: 8 centered ranks have std 0.33 where
 z-scores have 1, so it takes the demo's step size with rank shaping. `alpha-cosine` anneals α from 2× the demo's to
@@ -66,7 +69,7 @@ earlier on the schedule). `sigma-decay` starts σ at 2× the demo's and multipli
 at step 14, 0.4× it at step 32. `more-members` spends the demo's 64 completions per step on 16 members × 4 prompts
 instead of 8 × 8, with α × √2 to keep the step's norm ((1/N)·Σ z_i ε_i shrinks as 1/√N). `sampled-groups` scores
 each member on 4 completions of each of 4 prompts sampled at T=0.7: a member's score averages 16 sampled
-completions, where `sampled` has 8 at T=1."""
+completions, where `sampled` has 8 at T=1. `sampled-t0.6` samples members at the research's evaluation temperature."""
 VLLM = {"use_vllm": True, "vllm_max_model_length": 2048}
 """ES's population through an in-process vLLM engine (members written in place, or low-rank ones in LoRA slots)."""
 
@@ -91,9 +94,14 @@ SEQUENCES = {"grpo-es": ("grpo", "es"), "es-grpo": ("es", "grpo")}
 """Two methods in sequence, each for half the budget (the research's GRPO → ES and ES → GRPO)."""
 
 
-TASK = {"name": "small_sums", "samples": 8, "temperature": 1.0}
-"""The task trained and scored, and the sampled scoring's completions per problem and temperature (`--task`,
-`--samples`, `--temperature`; the research's protocol: `--task small_sums_last --samples 32 --temperature 0.6`)."""
+TASK = {"name": "small_sums", "samples": 8, "temperature": 1.0, "length": 12, "limit": None, "use_vllm": False}
+"""The task trained and scored, the sampled scoring's completions per problem and temperature (`--task`,
+`--samples`, `--temperature`; the research's protocol: `--task small_sums_last --samples 32 --temperature 0.6`), the
+new tokens of training (`--max-completion-length`, the demo's 12; scoring takes the task's own), the held-out
+problems scored (`--limit`, default all 64) and the sampled scoring's engine (`--use-vllm`: an in-process vLLM
+engine, token entropy scored afterwards by the model)."""
+LOGGED = ("reward", "es/population_reward_std", "frac_reward_zero_std")
+"""Kept from every logged training step (with the step and the run's seconds): the trace of the fitness signal."""
 
 
 SWEEP = {}
@@ -125,8 +133,8 @@ def stage(method: str, seed: int, minutes: float, marks: int, folder: str, model
     task = get_task(TASK["name"])
 
     model = model or smollm2_dir()
-    common = dict(output_dir=os.path.join(folder, "run"), max_steps=100_000, max_completion_length=12, seed=seed,
-                  save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1)  # fmt: skip
+    common = dict(output_dir=os.path.join(folder, "run"), max_steps=100_000, max_completion_length=TASK["length"],
+                  seed=seed, save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=1)  # fmt: skip
     budget = Budget(minutes * 60, marks, folder)
     if method == "grpo":
         from trl import GRPOConfig, GRPOTrainer
@@ -148,6 +156,10 @@ def stage(method: str, seed: int, minutes: float, marks: int, folder: str, model
     trainer.model.save_pretrained(end)
     trainer.processing_class.save_pretrained(end)
     points = [*budget.points, {"path": end, "seconds": round(seconds, 1), "step": trainer.state.global_step}]
+    at = {step: round(second, 1) for second, step, _ in budget.history}
+    points[-1]["log"] = [{"step": log["step"], "seconds": at.get(log["step"]),
+                          **{key: log[key] for key in LOGGED if key in log}}
+                         for log in trainer.state.log_history if "reward" in log]  # fmt: skip
     return [point | {"completions": point["step"] * per_step} for point in points]
 
 
@@ -167,14 +179,15 @@ def score(points: list[dict]) -> list[dict]:
     for point in points:
         stage_dir = os.path.dirname(point["path"])  # a sequence's stages each have a mark-1: records kept apart
         n, name = TASK["samples"], TASK["name"]
-        greedy = evaluate([point["path"]], name, n=1, k=[1], out_dir=os.path.join(stage_dir, "greedy"),
-                          greedy=True, batch_size=64, progress=lambda message: None)  # fmt: skip
+        greedy = evaluate([point["path"]], name, n=1, k=[1], out_dir=os.path.join(stage_dir, "greedy"), greedy=True,
+                          batch_size=64, limit=TASK["limit"], progress=lambda message: None)  # fmt: skip
         (g,) = greedy["models"].values()
         model = AutoModelForCausalLM.from_pretrained(point["path"]).eval()
         point.update(greedy=g["pass@1"], kl_drift=mean_token_kl(base, model, tokenizer, OFF_TASK_TEXTS))
         if n:
             sampled = evaluate([point["path"]], name, n=n, k=[1, n], out_dir=os.path.join(stage_dir, "sampled"),
-                               temperature=TASK["temperature"], progress=lambda message: None)  # fmt: skip
+                               temperature=TASK["temperature"], limit=TASK["limit"], use_vllm=TASK["use_vllm"],
+                               vllm_entropy=TASK["use_vllm"], progress=lambda message: None)  # fmt: skip
             (s,) = sampled["models"].values()
             point.update(entropy=s["mean_token_entropy"], **{key: s[key] for key in s if "@" in key})
         shutil.rmtree(point.pop("path"))
@@ -226,6 +239,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=TASK["samples"], help="sampled completions per problem "
                         "(0: greedy accuracy and KL drift only)")  # fmt: skip
     parser.add_argument("--temperature", type=float, default=TASK["temperature"], help="of the sampled scoring")
+    parser.add_argument("--max-completion-length", type=int, default=TASK["length"], help="new tokens in training")
+    parser.add_argument("--limit", type=int, help="held-out problems scored (default: all of the task's test split)")
+    parser.add_argument("--use-vllm", action="store_true", help="sampled scoring through an in-process vLLM engine")
     parser.add_argument("--sigma", type=float, help="σ of every ES method (a sweep's point; default each one's)")
     parser.add_argument("--alpha", type=float, help="α of every ES method (a sweep's point; default each one's)")
     parser.add_argument("--out", default="outputs/learning")
@@ -234,7 +250,14 @@ def main() -> None:
                         "results.json files (several: runs of different seeds, pooled)")  # fmt: skip
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "SEED"), help=argparse.SUPPRESS)
     options = parser.parse_args()
-    TASK.update(name=options.task, samples=options.samples, temperature=options.temperature)
+    TASK.update(
+        name=options.task,
+        samples=options.samples,
+        temperature=options.temperature,
+        length=options.max_completion_length,
+        limit=options.limit,
+        use_vllm=options.use_vllm,
+    )
     SWEEP.update({key: value for key, value in (("sigma", options.sigma), ("learning_rate", options.alpha)) if value})
     task_options = [
         "--task",
@@ -243,6 +266,10 @@ def main() -> None:
         str(options.samples),
         "--temperature",
         str(options.temperature),
+        "--max-completion-length",
+        str(options.max_completion_length),
+        *(["--limit", str(options.limit)] if options.limit else []),
+        *(["--use-vllm"] if options.use_vllm else []),
         *[
             flag
             for key, value in (("--sigma", options.sigma), ("--alpha", options.alpha))
@@ -267,23 +294,30 @@ def main() -> None:
     unknown = [m for m in methods if m != "grpo" and m not in SETTINGS and m not in SEQUENCES]
     if unknown:
         parser.error(f"unknown methods {unknown}")
-    results = []
+    results, failed = [], []
     for index, seed in enumerate(seeds):
         for method in methods if index % 2 == 0 else methods[::-1]:  # A B, then B A: A B B A …
             command = [sys.executable, __file__, "--one", method, str(seed), "--minutes", str(options.minutes),
                        "--marks", str(options.marks), "--out", options.out, *task_options]  # fmt: skip
             done = subprocess.run(command, capture_output=True, text=True)
             line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if done.returncode or line is None:
-                sys.exit(f"{method} seed {seed} failed:\n{done.stderr[-3000:]}")
+            if done.returncode or line is None:  # reported, and the other runs go on
+                failed.append(f"{method} seed {seed}")
+                print(f"{method} seed {seed} failed:\n{done.stderr[-3000:]}", file=sys.stderr, flush=True)
+                continue
             results.append({"method": method, "seed": seed, "points": json.loads(line.removeprefix("RESULT "))})
             last = results[-1]["points"][-1]
             print(f"{method} seed {seed}: greedy {last['greedy']:.3f}, KL drift {last['kl_drift']:.4f} after "
                   f"{last['step']} steps, {last['seconds']:.0f} s", flush=True)  # fmt: skip
-            with open(os.path.join(options.out, "results.json"), "w") as file:  # after every run: nothing is lost
-                json.dump({"minutes": options.minutes, "marks": options.marks, "task": dict(TASK), "sweep": dict(SWEEP),
-                           "results": results}, file, indent=1)  # fmt: skip
-    report(results, methods, options.plot)
+            record = {"minutes": options.minutes, "marks": options.marks, "task": dict(TASK), "sweep": dict(SWEEP),
+                      "results": results}  # fmt: skip
+            atomic_write_text(
+                os.path.join(options.out, "results.json"), json.dumps(record, indent=1)
+            )  # after every run
+    if results:
+        report(results, [m for m in methods if any(r["method"] == m for r in results)], options.plot)
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
 
 
 def report(results: list[dict], methods: list[str], plot_path: str) -> None:
