@@ -249,6 +249,7 @@ def main() -> None:
     parser.add_argument("--report", nargs="+", metavar="RESULTS", help="only print the table and plot of "
                         "results.json files (several: runs of different seeds, pooled)")  # fmt: skip
     parser.add_argument("--one", nargs=2, metavar=("METHOD", "SEED"), help=argparse.SUPPRESS)
+    parser.add_argument("--score", metavar="FOLDER", help=argparse.SUPPRESS)
     options = parser.parse_args()
     TASK.update(
         name=options.task,
@@ -284,11 +285,15 @@ def main() -> None:
         if missing:
             parser.error(f"no runs of {missing} in {options.report}")
         return report([r for r in results if r["method"] in methods], methods, options.plot)
-    if options.one:
+    if options.one:  # training alone: the scoring's vLLM engine would not fit beside a vLLM trainer's memory
         method, seed = options.one
         folder = os.path.join(options.out, f"{method}-{seed}")
-        points = score(train(method, int(seed), options.minutes, options.marks, folder))
-        print("RESULT " + json.dumps(points))
+        points = train(method, int(seed), options.minutes, options.marks, folder)
+        atomic_write_text(os.path.join(folder, "points.json"), json.dumps(points))
+        return
+    if options.score:
+        points = json.load(open(os.path.join(options.score, "points.json")))
+        print("RESULT " + json.dumps(score(points)))
         return
     methods, seeds = (options.methods or "grpo,es").split(","), [int(s) for s in options.seeds.split(",")]
     unknown = [m for m in methods if m != "grpo" and m not in SETTINGS and m not in SEQUENCES]
@@ -299,7 +304,11 @@ def main() -> None:
         for method in methods if index % 2 == 0 else methods[::-1]:  # A B, then B A: A B B A …
             command = [sys.executable, __file__, "--one", method, str(seed), "--minutes", str(options.minutes),
                        "--marks", str(options.marks), "--out", options.out, *task_options]  # fmt: skip
-            done = subprocess.run(command, capture_output=True, text=True)
+            done = subprocess.run(command, capture_output=True, text=True)  # trained in a fresh process,
+            if not done.returncode:  # scored in another
+                folder = os.path.join(options.out, f"{method}-{seed}")
+                done = subprocess.run([sys.executable, __file__, "--score", folder, *task_options],
+                                      capture_output=True, text=True)  # fmt: skip
             line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
             if done.returncode or line is None:  # reported, and the other runs go on
                 failed.append(f"{method} seed {seed}")
