@@ -4,13 +4,15 @@
     python benchmarks/learning.py --task small_sums_last --samples 32 --temperature 0.6   # the research's protocol
     python benchmarks/learning.py --methods es,anchor-0.1,anchor-0.3 --samples 0   # anchored decay: learning vs drift
     python benchmarks/learning.py --methods es,full-vllm-n32,lowrank-vllm-n64 --sigma 1e-3 --alpha 2e-3   # engines
+    python benchmarks/learning.py --task small_sums_last --max-completion-length 32 --samples 16 --temperature 0.6 \
+        --limit 32 --use-vllm --marks 2 --seeds 0 --methods es,full-vllm-n8,lowrank-vllm-n32   # the regime's screen
 
 Every run starts from SmolLM2-135M-Instruct and trains on small sums (`first_integer_reward`, 12 new tokens) for
 `--minutes` of wall clock. At `--marks` evenly spaced points of that budget the weights are saved (the saving time
-is not counted: the clock pauses) with the wall-clock seconds, the steps and the completions generated so far. After
-the run, outside its budget, each saved point is scored on the 64 held-out problems: greedy accuracy (the demo's
-check) and sampled (T=1) Pass@1 and Pass@8 with 8 completions per problem (`trl-es eval`'s loop and estimator;
-`--samples 0` leaves them out), and its KL drift from the base on off-task text (`trl-es study`'s measure);
+is not counted: the clock pauses) with the wall-clock seconds, the steps and the completions generated so far, and
+the run keeps its per-step fitness trace (`LOGGED`). After the run, outside its budget and in a process of its own,
+each saved point is scored on the 64 held-out problems: greedy accuracy (the demo's check) and sampled (T=1) Pass@1
+and Pass@8 with 8 completions per problem (`trl-es eval`'s loop and estimator; `--samples 0` leaves them out), and its KL drift from the base on off-task text (`trl-es study`'s measure);
 `--task`, `--samples` and `--temperature` change the task (trained and scored) and the sampled scoring, which then
 also reports Maj@n and the completions' token entropy.
 
