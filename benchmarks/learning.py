@@ -12,8 +12,8 @@ Every run starts from SmolLM2-135M-Instruct and trains on small sums (`first_int
 is not counted: the clock pauses) with the wall-clock seconds, the steps and the completions generated so far, and
 the run keeps its per-step fitness trace (`LOGGED`). After the run, outside its budget and in a process of its own,
 each saved point is scored on the 64 held-out problems: greedy accuracy (the demo's check) and sampled (T=1) Pass@1
-and Pass@8 with 8 completions per problem (`trl-es eval`'s loop and estimator; `--samples 0` leaves them out), and its KL drift from the base on off-task text (`trl-es study`'s measure);
-`--task`, `--samples` and `--temperature` change the task (trained and scored) and the sampled scoring, which then
+and Pass@8 with 8 completions per problem (`trl-es eval`'s loop and estimator; `--samples 0` leaves them out), and
+its KL drift from the base on off-task text (`trl-es study`'s measure); `--task`, `--samples` and `--temperature` change the task (trained and scored) and the sampled scoring, which then
 also reports Maj@n and the completions' token entropy.
 
 Methods are interleaved per seed, A B for even seed indices and B A for odd ones (A B B A …), each run in a fresh
