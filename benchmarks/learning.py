@@ -13,8 +13,9 @@ is not counted: the clock pauses) with the wall-clock seconds, the steps and the
 the run keeps its per-step fitness trace (`LOGGED`). After the run, outside its budget and in a process of its own,
 each saved point is scored on the 64 held-out problems: greedy accuracy (the demo's check) and sampled (T=1) Pass@1
 and Pass@8 with 8 completions per problem (`trl-es eval`'s loop and estimator; `--samples 0` leaves them out), and
-its KL drift from the base on off-task text (`trl-es study`'s measure); `--task`, `--samples` and `--temperature` change the task (trained and scored) and the sampled scoring, which then
-also reports Maj@n and the completions' token entropy.
+its KL drift from the base on off-task text (`trl-es study`'s measure); `--task`, `--samples` and `--temperature`
+change the task (trained and scored) and the sampled scoring, which then also reports Maj@n and the completions'
+token entropy.
 
 Methods are interleaved per seed, A B for even seed indices and B A for odd ones (A B B A …), each run in a fresh
 process, so slow drifts of the machine fall on both. `es` is the demo's setting (N=8, σ=α=5e-3, 8 prompts, greedy
@@ -71,7 +72,8 @@ earlier on the schedule). `sigma-decay` starts σ at 2× the demo's and multipli
 at step 14, 0.4× it at step 32. `more-members` spends the demo's 64 completions per step on 16 members × 4 prompts
 instead of 8 × 8, with α × √2 to keep the step's norm ((1/N)·Σ z_i ε_i shrinks as 1/√N). `sampled-groups` scores
 each member on 4 completions of each of 4 prompts sampled at T=0.7: a member's score averages 16 sampled
-completions, where `sampled` has 8 at T=1. `sampled-t0.6` samples members at the research's evaluation temperature."""
+completions, where `sampled` has 8 at T=1. `sampled-t0.6` samples members at the research's evaluation
+temperature."""
 VLLM = {"use_vllm": True, "vllm_max_model_length": 2048}
 """ES's population through an in-process vLLM engine (members written in place, or low-rank ones in LoRA slots)."""
 
