@@ -63,7 +63,6 @@ SETTINGS = {
     "lowrank-n32": {"es_search_space": "lowrank", "population_size": 32, "learning_rate": 8e-3},
     "anchor-0.1": {"es_anchor_decay": 0.1},
     "anchor-0.3": {"es_anchor_decay": 0.3},
-    "sampled-t0.6": {"generation_kwargs": {"do_sample": True}, "temperature": 0.6},
 }
 """ES variants (overrides of `ES`). `antithetic-ranks-scaled` triples α: 8 centered ranks have std 0.33 where
 z-scores have 1, so it takes the demo's step size with rank shaping. `alpha-cosine` anneals α from 2× the demo's to
@@ -72,8 +71,7 @@ earlier on the schedule). `sigma-decay` starts σ at 2× the demo's and multipli
 at step 14, 0.4× it at step 32. `more-members` spends the demo's 64 completions per step on 16 members × 4 prompts
 instead of 8 × 8, with α × √2 to keep the step's norm ((1/N)·Σ z_i ε_i shrinks as 1/√N). `sampled-groups` scores
 each member on 4 completions of each of 4 prompts sampled at T=0.7: a member's score averages 16 sampled
-completions, where `sampled` has 8 at T=1. `sampled-t0.6` samples members at the research's evaluation
-temperature."""
+completions, where `sampled` has 8 at T=1."""
 VLLM = {"use_vllm": True, "vllm_max_model_length": 2048}
 """ES's population through an in-process vLLM engine (members written in place, or low-rank ones in LoRA slots)."""
 
@@ -264,24 +262,11 @@ def main() -> None:
         use_vllm=options.use_vllm,
     )
     SWEEP.update({key: value for key, value in (("sigma", options.sigma), ("learning_rate", options.alpha)) if value})
-    task_options = [
-        "--task",
-        options.task,
-        "--samples",
-        str(options.samples),
-        "--temperature",
-        str(options.temperature),
-        "--max-completion-length",
-        str(options.max_completion_length),
-        *(["--limit", str(options.limit)] if options.limit else []),
-        *(["--use-vllm"] if options.use_vllm else []),
-        *[
-            flag
-            for key, value in (("--sigma", options.sigma), ("--alpha", options.alpha))
-            if value
-            for flag in (key, str(value))
-        ],
-    ]
+    passed = {"--task": options.task, "--samples": options.samples, "--temperature": options.temperature,
+              "--max-completion-length": options.max_completion_length, "--limit": options.limit,
+              "--sigma": options.sigma, "--alpha": options.alpha}  # fmt: skip
+    task_options = [part for flag, value in passed.items() if value is not None for part in (flag, str(value))]
+    task_options += ["--use-vllm"] if options.use_vllm else []
     if options.report:
         results = [run for path in options.report for run in json.load(open(path))["results"]]
         methods = options.methods.split(",") if options.methods else list(dict.fromkeys(r["method"] for r in results))
@@ -322,11 +307,10 @@ def main() -> None:
             last = results[-1]["points"][-1]
             print(f"{method} seed {seed}: greedy {last['greedy']:.3f}, KL drift {last['kl_drift']:.4f} after "
                   f"{last['step']} steps, {last['seconds']:.0f} s", flush=True)  # fmt: skip
+            # after every run: nothing is lost
             record = {"minutes": options.minutes, "marks": options.marks, "task": dict(TASK), "sweep": dict(SWEEP),
                       "results": results}  # fmt: skip
-            atomic_write_text(
-                os.path.join(options.out, "results.json"), json.dumps(record, indent=1)
-            )  # after every run
+            atomic_write_text(os.path.join(options.out, "results.json"), json.dumps(record, indent=1))
     if results:
         report(results, [m for m in methods if any(r["method"] == m for r in results)], options.plot)
     if failed:
