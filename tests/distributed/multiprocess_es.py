@@ -195,6 +195,7 @@ if __name__ == "__main__":
     from accelerate import PartialState
 
     PartialState()  # accelerate's process group, launched with several processes
+    gc.freeze()  # the libraries' objects out of each run's full collections (tests/conftest.py says why)
     if not main(sys.argv[1], json.loads(sys.argv[2])):
         # Leave without the interpreter's teardown: after a peer hung, torch.distributed's shutdown waits ~3 min for
         # it (measured), which says nothing about ES. The error and the weights are already written.

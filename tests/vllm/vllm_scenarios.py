@@ -687,7 +687,14 @@ def oom(out: Path) -> dict:
 
 
 if __name__ == "__main__":
+    import gc
     import traceback
+
+    import vllm  # noqa: F401  (every scenario's; imported before the heap is frozen)
+
+    import trl_es  # noqa: F401
+
+    gc.freeze()  # the libraries' objects out of each trainer's full collections (tests/conftest.py says why)
 
     scenarios, out = sys.argv[1].split(","), Path(sys.argv[2])
     functions = {"colocate": colocate, "lowrank": lowrank, "adapters": adapters, "moe": moe, "server": server,
