@@ -522,60 +522,52 @@ def vlm(out: Path) -> dict:
     return results
 
 
-def server(out: Path) -> dict:
-    """`trl-es vllm-serve` in a subprocess; the trainer in this one."""
+SERVER_TOKEN = "scenario-token"
+
+
+def start_server(out: Path) -> tuple[subprocess.Popen, int]:
+    """`trl-es vllm-serve` on the server scenario's model (`out/model`), with its token; started before the other
+    scenarios so that its ~30 s start overlaps them. Returns the process and its port."""
     model_dir = build_tiny_model(out / "model", sys.argv[3], **VLLM_MODEL)
-    other_dir = build_tiny_model(out / "other", sys.argv[3], seed=1, **VLLM_MODEL)
     port = 8000 + os.getpid() % 1000
-    command = [
-        sys.executable,
-        "-m",
-        "trl_es.cli",
-        "vllm-serve",
-        "--model",
-        model_dir,
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--enforce-eager",
-        "--max-model-len",
-        "128",
-    ]
-    results = {}
-    os.environ["TRL_ES_VLLM_TOKEN"] = token = "scenario-token"  # the server's and this trainer's
+    command = [sys.executable, "-m", "trl_es.cli", "vllm-serve", "--model", model_dir, "--port", str(port), "--dtype",
+               "float32", "--enforce-eager", "--max-model-len", "128"]  # fmt: skip
     with open(out / "server.log", "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            server_args = dict(
-                use_vllm=True,
-                vllm_mode="server",
-                vllm_server_port=port,
-                vllm_server_host="127.0.0.1",
-                vllm_server_timeout=300,
-            )
-            hf, results["hf_rewards"], _ = run(out, model_dir, "hf")
-            start = time.perf_counter()
-            first, results["server_rewards"], _ = run(
-                out, model_dir, "server", save_strategy="steps", save_steps=1, **server_args
-            )
-            results["server_start_and_run_seconds"] = time.perf_counter() - start
-            results["same_final_weights"] = fingerprint(hf.model) == fingerprint(first.model)
-            # a second run against the same server starts again from the served model's files
-            _, results["second_run_rewards"], _ = run(out, model_dir, "again", **server_args)
-            # resuming: the server loads the checkpoint's weights; the run ends where the uninterrupted one did
-            checkpoint = str(out / "server" / "out" / "checkpoint-1")
-            resumed, _, _ = run(out, model_dir, "resumed", resume=checkpoint, **server_args)
-            results["resumed_same_final_weights"] = fingerprint(hf.model) == fingerprint(resumed.model)
-            try:
-                run(out, other_dir, "other", **server_args)
-                results["other_model_error"] = None
-            except ValueError as error:
-                results["other_model_error"] = str(error)
-            results.update(server_attacks(out, model_dir, f"http://127.0.0.1:{port}", token, server_args))
-        finally:
-            process.terminate()
-            process.wait(60)
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "TRL_ES_VLLM_TOKEN": SERVER_TOKEN})  # fmt: skip
+    return process, port
+
+
+def server(out: Path, port: int) -> dict:
+    """The trainer in this process against `start_server`'s server on `port`."""
+    model_dir = str(out / "model")
+    other_dir = build_tiny_model(out / "other", sys.argv[3], seed=1, **VLLM_MODEL)
+    results = {}
+    os.environ["TRL_ES_VLLM_TOKEN"] = token = SERVER_TOKEN  # this trainer's
+    server_args = dict(
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_server_port=port,
+        vllm_server_host="127.0.0.1",
+        vllm_server_timeout=300,
+    )
+    hf, results["hf_rewards"], _ = run(out, model_dir, "hf")
+    first, results["server_rewards"], _ = run(
+        out, model_dir, "server", save_strategy="steps", save_steps=1, **server_args
+    )
+    results["same_final_weights"] = fingerprint(hf.model) == fingerprint(first.model)
+    # a second run against the same server starts again from the served model's files
+    _, results["second_run_rewards"], _ = run(out, model_dir, "again", **server_args)
+    # resuming: the server loads the checkpoint's weights; the run ends where the uninterrupted one did
+    checkpoint = str(out / "server" / "out" / "checkpoint-1")
+    resumed, _, _ = run(out, model_dir, "resumed", resume=checkpoint, **server_args)
+    results["resumed_same_final_weights"] = fingerprint(hf.model) == fingerprint(resumed.model)
+    try:
+        run(out, other_dir, "other", **server_args)
+        results["other_model_error"] = None
+    except ValueError as error:
+        results["other_model_error"] = str(error)
+    results.update(server_attacks(out, model_dir, f"http://127.0.0.1:{port}", token, server_args))
     return results
 
 
@@ -699,11 +691,20 @@ if __name__ == "__main__":
     scenarios, out = sys.argv[1].split(","), Path(sys.argv[2])
     functions = {"colocate": colocate, "lowrank": lowrank, "adapters": adapters, "moe": moe, "server": server,
                  "oom": oom, "vlm": vlm, "evaluation": evaluation}  # fmt: skip
-    results = {}
-    for name in scenarios:  # one after the other in this process: vLLM is imported once
-        (out / name).mkdir()
-        try:
-            results[name] = functions[name](out / name)
-        except Exception:  # the later scenarios still run; the tests of this one fail with its traceback
-            results[name] = {"failed": traceback.format_exc()}
+    results, arguments, serving = {}, dict.fromkeys(scenarios, ()), None
+    if "server" in scenarios:
+        (out / "server").mkdir()
+        serving, port = start_server(out / "server")
+        arguments["server"] = (port,)
+    try:
+        for name in scenarios:  # one after the other in this process: vLLM is imported once
+            (out / name).mkdir(exist_ok=True)
+            try:
+                results[name] = functions[name](out / name, *arguments[name])
+            except Exception:  # the later scenarios still run; the tests of this one fail with its traceback
+                results[name] = {"failed": traceback.format_exc()}
+    finally:
+        if serving is not None:
+            serving.terminate()
+            serving.wait(60)
     (out / "results.json").write_text(json.dumps(results, indent=1))
