@@ -108,6 +108,11 @@ LOGGED = ("reward", "es/population_reward_std", "frac_reward_zero_std")
 
 SWEEP = {}
 """σ and α for every ES method of this run (`--sigma`, `--alpha`): one point of a sweep."""
+HELDOUT = {"name": None, "limit": 64, "length": 128}
+"""A task never trained on (`--heldout`, e.g. commonsenseqa): each run's last point is also scored on it, sampled as
+the task above (n, T, engine), on its first `limit` problems with `length` new tokens (docs/study.md's held-out
+protocol; the base's numbers are `trl-es eval`'s under the same settings). Without the Hub the task's rows come from
+`TRL_ES_DATA` (tests/data holds commonsenseqa's)."""
 
 
 def train(method: str, seed: int, minutes: float, marks: int, folder: str) -> list[dict]:
@@ -192,6 +197,15 @@ def score(points: list[dict]) -> list[dict]:
                                vllm_entropy=TASK["use_vllm"], progress=lambda message: None)  # fmt: skip
             (s,) = sampled["models"].values()
             point.update(entropy=s["mean_token_entropy"], **{key: s[key] for key in s if "@" in key})
+        if HELDOUT["name"] and point is points[-1]:
+            heldout = evaluate([point["path"]], HELDOUT["name"], n=max(n, 1), k=[1, max(n, 1)],
+                               out_dir=os.path.join(stage_dir, "heldout"), temperature=TASK["temperature"],
+                               limit=HELDOUT["limit"], max_completion_length=HELDOUT["length"],
+                               use_vllm=TASK["use_vllm"], vllm_entropy=TASK["use_vllm"],
+                               progress=lambda message: None)  # fmt: skip
+            (h,) = heldout["models"].values()
+            kept = {key: h[key] for key in h if "@" in key or key == "mean_token_entropy"}
+            point["heldout"] = {"task": HELDOUT["name"], **kept}
         shutil.rmtree(point.pop("path"))
     return points
 
@@ -246,6 +260,8 @@ def main() -> None:
     parser.add_argument("--use-vllm", action="store_true", help="sampled scoring through an in-process vLLM engine")
     parser.add_argument("--sigma", type=float, help="σ of every ES method (a sweep's point; default each one's)")
     parser.add_argument("--alpha", type=float, help="α of every ES method (a sweep's point; default each one's)")
+    parser.add_argument("--heldout", help="a task never trained on (e.g. commonsenseqa): each run's last point is also "
+                        f"scored on its first {HELDOUT['limit']} problems, sampled as --samples/--temperature")  # fmt: skip
     parser.add_argument("--out", default="outputs/learning")
     parser.add_argument("--plot", default="docs/img/learning_curves.png")
     parser.add_argument("--report", nargs="+", metavar="RESULTS", help="only print the table and plot of "
@@ -262,9 +278,10 @@ def main() -> None:
         use_vllm=options.use_vllm,
     )
     SWEEP.update({key: value for key, value in (("sigma", options.sigma), ("learning_rate", options.alpha)) if value})
+    HELDOUT["name"] = options.heldout
     passed = {"--task": options.task, "--samples": options.samples, "--temperature": options.temperature,
               "--max-completion-length": options.max_completion_length, "--limit": options.limit,
-              "--sigma": options.sigma, "--alpha": options.alpha}  # fmt: skip
+              "--sigma": options.sigma, "--alpha": options.alpha, "--heldout": options.heldout}  # fmt: skip
     task_options = [part for flag, value in passed.items() if value is not None for part in (flag, str(value))]
     task_options += ["--use-vllm"] if options.use_vllm else []
     if options.report:
@@ -284,6 +301,13 @@ def main() -> None:
         points = json.load(open(os.path.join(options.score, "points.json")))
         print("RESULT " + json.dumps(score(points)))
         return
+    if options.heldout:  # an unknown task fails before any training, not after it
+        from trl_es.tasks import get_task
+
+        try:
+            get_task(options.heldout)
+        except ValueError as error:
+            parser.error(f"--heldout: {error}")
     methods, seeds = (options.methods or "grpo,es").split(","), [int(s) for s in options.seeds.split(",")]
     unknown = [m for m in methods if m != "grpo" and m not in SETTINGS and m not in SEQUENCES]
     if unknown:
@@ -309,7 +333,7 @@ def main() -> None:
                   f"{last['step']} steps, {last['seconds']:.0f} s", flush=True)  # fmt: skip
             # after every run: nothing is lost
             record = {"minutes": options.minutes, "marks": options.marks, "task": dict(TASK), "sweep": dict(SWEEP),
-                      "results": results}  # fmt: skip
+                      "heldout": dict(HELDOUT), "results": results}  # fmt: skip
             atomic_write_text(os.path.join(options.out, "results.json"), json.dumps(record, indent=1))
     if results:
         report(results, [m for m in methods if any(r["method"] == m for r in results)], options.plot)
@@ -336,6 +360,14 @@ def report(results: list[dict], methods: list[str], plot_path: str) -> None:
             at = [points[k] for points in runs]
             cells = " | ".join(cell(at) for _, cell in columns)
             print(f"| {method} | {k + 1} | {mean(at, 'seconds'):.0f} | {mean(at, 'completions'):.0f} | {cells} |")
+    last = [(r["method"], r["seed"], r["points"][-1]["heldout"]) for r in results if "heldout" in r["points"][-1]]
+    if last:
+        keys = [key for key in last[0][2] if key != "task"]
+        print(f"\nheld out ({last[0][2]['task']}), each run's last point:\n")
+        print("| method | seed | " + " | ".join(keys) + " |")
+        print("|---|---:|" + "---:|" * len(keys))
+        for method, seed, heldout in last:
+            print(f"| {method} | {seed} | " + " | ".join(f"{heldout[key]:.3f}" for key in keys) + " |")
 
 
 def mean(points: list[dict], key: str) -> float:
