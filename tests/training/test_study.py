@@ -188,7 +188,7 @@ def test_tables_say_when_the_entropy_was_not_scored(tmp_path):
 def test_each_method_trains_with_the_search_space_and_engine_asked(tmp_path, monkeypatch):
     """--es-space, --es-population/-sigma/-learning-rate and --es-vllm reach ESConfig, --grpo-vllm GRPOConfig, and
     the recorded settings say which engine each used; without them the settings are the calibrated ones exactly
-    (so a stage trained before these options existed still resumes)."""
+    (so a stage trained before these options existed still resumes); --es-vllm brings its engine's own defaults."""
     from trl import GRPOConfig
 
     from trl_es import ESConfig
@@ -208,6 +208,12 @@ def test_each_method_trains_with_the_search_space_and_engine_asked(tmp_path, mon
         output_dir=str(tmp_path / "grpo"), use_cpu=True, **study_module.trainer_settings("grpo", options)
     )
     assert grpo.use_vllm and grpo.vllm_mode == "colocate" and grpo.learning_rate == 1e-5
+    # --es-vllm alone: the settings measured fastest on that engine, in low-rank members unless --es-space full
+    fastest = study_module.trainer_settings("es", study(["--es-vllm"]))
+    assert fastest == {**study_module.ES_VLLM_SETTINGS, "es_search_space": "lowrank", "use_vllm": True,
+                       "vllm_mode": "colocate", "vllm_max_model_length": study_module.VLLM_MAX_MODEL_LENGTH}  # fmt: skip
+    in_place = study_module.trainer_settings("es", study(["--es-vllm", "--es-space", "full", "--es-population", "8"]))
+    assert "es_search_space" not in in_place and in_place["population_size"] == 8 and in_place["sigma"] == 1e-2
     with pytest.raises(SystemExit):
         study(["--es-space", "merge"])
 

@@ -8,7 +8,8 @@ and the same completion length, until the budget of wall clock has passed (the s
 calibrated settings (N=8, σ=5e-3, α=5e-3, 8 prompts per step, greedy members, or sampling ones with --es-sample;
 `--es-population`, `--es-sigma`, `--es-learning-rate` and `--es-space lowrank` change them; `--es-anchor-decay λ`
 pulls it toward the base after each update). Both train on transformers unless `--es-vllm` (ES's population
-through an in-process vLLM engine: members in place, or low-rank ones in LoRA slots) or `--grpo-vllm` (GRPOTrainer
+through an in-process vLLM engine, with the fastest ES measured there as its defaults: low-rank members in LoRA
+slots, N=32, σ=1e-2, α=2e-2; `--es-space full` writes full-rank members in place) or `--grpo-vllm` (GRPOTrainer
 with vLLM colocate, GPU only); the recorded settings say which engine each used (`use_vllm`).
 `grpo-es` continues the `grpo` result with ES for another budget, `es-grpo` the `es` result with GRPO: two budgets
 in all. Then the base and every result are evaluated on the task's held-out problems with the research's sampling
@@ -63,6 +64,10 @@ from .train import load_reward_funcs
 METHODS = ("es", "grpo", "grpo-es", "es-grpo")
 ES_SETTINGS = {"population_size": 8, "sigma": 5e-3, "learning_rate": 5e-3, "per_device_train_batch_size": 8}
 """The demo's calibrated ES settings (trl_es.commands.demo); members generate greedily unless --es-sample."""
+ES_VLLM_SETTINGS = {"population_size": 32, "sigma": 1e-2, "learning_rate": 2e-2, "per_device_train_batch_size": 8}
+"""ES's defaults with `--es-vllm`, in low-rank members (LoRA slots) unless `--es-space full`: the configuration that
+learned fastest per minute in the regime (small_sums_last at T = 0.6) on 2 CPU cores, from an engine screen and a
+σ/α sweep (docs/study.md)."""
 GRPO_SETTINGS = {"learning_rate": 1e-5, "per_device_train_batch_size": 16, "num_generations": 4, "bf16": False}
 """TRL GRPOTrainer: 4 prompts × 4 completions per step, lr 1e-5 (TRL's default 1e-6 barely moves in minutes)."""
 VLLM_MAX_MODEL_LENGTH = 2048
@@ -123,9 +128,11 @@ def trainer_settings(kind: str, options) -> dict:
         return {**GRPO_SETTINGS, **(engine if options.grpo_vllm else {})}
     overrides = {"population_size": options.es_population, "sigma": options.es_sigma,
                  "learning_rate": options.es_learning_rate}  # fmt: skip
-    settings = {**ES_SETTINGS, **{key: value for key, value in overrides.items() if value is not None}}
-    if options.es_space != "full":
-        settings["es_search_space"] = options.es_space
+    calibrated = ES_VLLM_SETTINGS if options.es_vllm else ES_SETTINGS
+    settings = {**calibrated, **{key: value for key, value in overrides.items() if value is not None}}
+    space = options.es_space or ("lowrank" if options.es_vllm else "full")
+    if space != "full":
+        settings["es_search_space"] = space
     if options.es_anchor_decay:
         settings["es_anchor_decay"] = options.es_anchor_decay
     return {**settings, **(engine if options.es_vllm else {})}
@@ -353,16 +360,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-completion-length", type=int, default=None, help="default: the task's")
     parser.add_argument("--es-sample", action="store_true", help="ES members sample (temperature 1) as GRPO's "
                         "completions do, instead of generating greedily as the demo's")  # fmt: skip
-    parser.add_argument("--es-space", default="full", choices=("full", "lowrank"), help="ES's search space: full-rank "
-                        "members, or low-rank ones (es_search_space='lowrank', EGGROLL)")  # fmt: skip
+    parser.add_argument("--es-space", choices=("full", "lowrank"), help="ES's search space: full-rank members, or "
+                        "low-rank ones (es_search_space='lowrank', EGGROLL); default full, lowrank with --es-vllm")  # fmt: skip
     parser.add_argument("--es-population", type=int, default=None, help=f"ES's population size N (default "
-                        f"{ES_SETTINGS['population_size']})")  # fmt: skip
-    parser.add_argument("--es-sigma", type=float, default=None, help=f"ES's σ (default {ES_SETTINGS['sigma']})")
+                        f"{ES_SETTINGS['population_size']}, {ES_VLLM_SETTINGS['population_size']} with --es-vllm)")  # fmt: skip
+    parser.add_argument("--es-sigma", type=float, default=None, help=f"ES's σ (default {ES_SETTINGS['sigma']}, "
+                        f"{ES_VLLM_SETTINGS['sigma']} with --es-vllm)")  # fmt: skip
     parser.add_argument("--es-learning-rate", type=float, default=None, help=f"ES's α (default "
-                        f"{ES_SETTINGS['learning_rate']})")  # fmt: skip
-    parser.add_argument("--es-vllm", action="store_true", help="ES trains through an in-process vLLM engine: "
-                        "full-rank members written into its weights, low-rank ones in its LoRA slots, the population "
-                        "in one call")  # fmt: skip
+                        f"{ES_SETTINGS['learning_rate']}, {ES_VLLM_SETTINGS['learning_rate']} with --es-vllm)")  # fmt: skip
+    parser.add_argument("--es-vllm", action="store_true", help="ES trains through an in-process vLLM engine, the "
+                        "population in one call: low-rank members in its LoRA slots (full-rank ones written into its "
+                        "weights with --es-space full), with the fastest settings measured there as defaults")  # fmt: skip
     parser.add_argument("--grpo-vllm", action="store_true", help="GRPOTrainer generates with vLLM colocate "
                         "(use_vllm=True; GPU only: its weight sync fails on vLLM's CPU backend)")  # fmt: skip
     parser.add_argument("--es-anchor-decay", type=float, default=0.0, help="ES's anchored decay λ (es_anchor_decay): "
