@@ -67,7 +67,7 @@ ES_SETTINGS = {"population_size": 8, "sigma": 5e-3, "learning_rate": 5e-3, "per_
 ES_VLLM_SETTINGS = {"population_size": 32, "sigma": 1e-2, "learning_rate": 2e-2, "per_device_train_batch_size": 8}
 """ES's defaults with `--es-vllm`, in low-rank members (LoRA slots) unless `--es-space full`: the configuration that
 learned fastest per minute in the regime (small_sums_last at T = 0.6) on 2 CPU cores, from an engine screen and a
-σ/α sweep (docs/study.md)."""
+σ/α sweep over 5–12 minutes (docs/study.md); at 48 minutes it overshoots and drifts (same page)."""
 GRPO_SETTINGS = {"learning_rate": 1e-5, "per_device_train_batch_size": 16, "num_generations": 4, "bf16": False}
 """TRL GRPOTrainer: 4 prompts × 4 completions per step, lr 1e-5 (TRL's default 1e-6 barely moves in minutes)."""
 VLLM_MAX_MODEL_LENGTH = 2048
