@@ -92,6 +92,20 @@ def engine_variants() -> dict[str, dict]:
 
 
 SETTINGS |= engine_variants()
+SETTINGS |= {
+    "lowrank-vllm-n32-cosine": {
+        **SETTINGS["lowrank-vllm-n32"],
+        "sigma": 1e-2,
+        "learning_rate": 2e-2,
+        "lr_scheduler_type": "cosine",
+        "max_steps": 121,
+    },
+    "lowrank-vllm-n32-half-alpha": {**SETTINGS["lowrank-vllm-n32"], "sigma": 1e-2, "learning_rate": 1e-2},
+}
+"""The σ/α sweep's winner on the low-rank vLLM engine (N = 32, σ = 1e-2, α = 2e-2) made to hold past its peak:
+`-cosine` anneals α from 2e-2 to 0 over the 121 updates the constant-α winner reached in 48 minutes (a shorter
+budget stops it earlier on the schedule), `-half-alpha` keeps α constant at 1e-2. Run them without `--sigma`/`--alpha`,
+which would override both."""
 SEQUENCES = {"grpo-es": ("grpo", "es"), "es-grpo": ("es", "grpo")}
 """Two methods in sequence, each for half the budget (the research's GRPO → ES and ES → GRPO)."""
 
