@@ -9,7 +9,7 @@ calibrated settings (N=8, σ=5e-3, α=5e-3, 8 prompts per step, greedy members, 
 `--es-population`, `--es-sigma`, `--es-learning-rate` and `--es-space lowrank` change them; `--es-anchor-decay λ`
 pulls it toward the base after each update). Both train on transformers unless `--es-vllm` (ES's population
 through an in-process vLLM engine, with the fastest ES measured there as its defaults: low-rank members in LoRA
-slots, N=32, σ=1e-2, α=2e-2; `--es-space full` writes full-rank members in place) or `--grpo-vllm` (GRPOTrainer
+slots, N=32, σ=1e-2, α=1e-2; `--es-space full` writes full-rank members in place) or `--grpo-vllm` (GRPOTrainer
 with vLLM colocate, GPU only); the recorded settings say which engine each used (`use_vllm`).
 `grpo-es` continues the `grpo` result with ES for another budget, `es-grpo` the `es` result with GRPO: two budgets
 in all. Then the base and every result are evaluated on the task's held-out problems with the research's sampling
@@ -64,10 +64,11 @@ from .train import load_reward_funcs
 METHODS = ("es", "grpo", "grpo-es", "es-grpo")
 ES_SETTINGS = {"population_size": 8, "sigma": 5e-3, "learning_rate": 5e-3, "per_device_train_batch_size": 8}
 """The demo's calibrated ES settings (trl_es.commands.demo); members generate greedily unless --es-sample."""
-ES_VLLM_SETTINGS = {"population_size": 32, "sigma": 1e-2, "learning_rate": 2e-2, "per_device_train_batch_size": 8}
+ES_VLLM_SETTINGS = {"population_size": 32, "sigma": 1e-2, "learning_rate": 1e-2, "per_device_train_batch_size": 8}
 """ES's defaults with `--es-vllm`, in low-rank members (LoRA slots) unless `--es-space full`: the configuration that
-learned fastest per minute in the regime (small_sums_last at T = 0.6) on 2 CPU cores, from an engine screen and a
-σ/α sweep over 5–12 minutes (docs/study.md); at 48 minutes it overshoots and drifts (same page)."""
+learned fastest per minute in the regime (small_sums_last at T = 0.6) on 2 CPU cores and held to 110 updates (48
+minutes): an engine screen and a σ/α sweep picked N = 32 and σ = 1e-2, and the sweep's α = 2e-2, fastest in 12
+minutes, overshot and drifted by 48 where α = 1e-2 held (docs/study.md)."""
 GRPO_SETTINGS = {"learning_rate": 1e-5, "per_device_train_batch_size": 16, "num_generations": 4, "bf16": False}
 """TRL GRPOTrainer: 4 prompts × 4 completions per step, lr 1e-5 (TRL's default 1e-6 barely moves in minutes)."""
 VLLM_MAX_MODEL_LENGTH = 2048
