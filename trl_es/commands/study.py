@@ -66,9 +66,9 @@ ES_SETTINGS = {"population_size": 8, "sigma": 5e-3, "learning_rate": 5e-3, "per_
 """The demo's calibrated ES settings (trl_es.commands.demo); members generate greedily unless --es-sample."""
 ES_VLLM_SETTINGS = {"population_size": 32, "sigma": 1e-2, "learning_rate": 1e-2, "per_device_train_batch_size": 8}
 """ES's defaults with `--es-vllm`, in low-rank members (LoRA slots) unless `--es-space full`: the configuration that
-learned fastest per minute in the regime (small_sums_last at T = 0.6) on 2 CPU cores and held to 110 updates (48
-minutes): an engine screen and a σ/α sweep picked N = 32 and σ = 1e-2, and the sweep's α = 2e-2, fastest in 12
-minutes, overshot and drifted by 48 where α = 1e-2 held (docs/study.md)."""
+learned fastest per minute in the regime (small_sums_last at T = 0.6) on 2 CPU cores and kept its gains to 110
+updates (48 minutes): an engine screen and a σ/α sweep picked N = 32 and σ = 1e-2; the sweep's α = 2e-2 leads at
+12 minutes but overshoots and drifts by 48 (docs/study.md)."""
 GRPO_SETTINGS = {"learning_rate": 1e-5, "per_device_train_batch_size": 16, "num_generations": 4, "bf16": False}
 """TRL GRPOTrainer: 4 prompts × 4 completions per step, lr 1e-5 (TRL's default 1e-6 barely moves in minutes)."""
 VLLM_MAX_MODEL_LENGTH = 2048
