@@ -70,8 +70,11 @@ def pytest_collection_finish(session):
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the group into the test ids
 def pytest_collection_modifyitems(items):
-    """Under pytest-xdist (`-n 2 --dist loadgroup`), the tests that launch processes or start vLLM engines run on
-    one worker, one after the other (they share session-scoped launches and need the machine's cores)."""
+    """Under pytest-xdist (`-n 2 --dist loadgroup`), the tests of each folder of launched processes and engines run on
+    one worker, one after the other: tests/distributed (they share session-scoped launches) and tests/vllm (one child
+    process runs every engine). The two groups start first, one per worker (pytest-xdist orders groups by size), and
+    the other tests fill in around them."""
     for item in items:
-        if {"distributed", "vllm"} & set(item.path.parts):
-            item.add_marker(pytest.mark.xdist_group("launches"))
+        group = next((part for part in ("distributed", "vllm") if part in item.path.parts), None)
+        if group and item.path.name != "test_security_crash.py":  # its forked runs share no launch
+            item.add_marker(pytest.mark.xdist_group(group))
