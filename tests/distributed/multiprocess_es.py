@@ -139,8 +139,11 @@ def train(model_dir: str, out_dir: str, overrides: dict, fault: str | None = Non
     return result
 
 
-def guard_runs(models: Path, vllm: bool = False, scenarios=tuple(regression_guard.SCENARIOS)) -> list[dict]:
-    return [{"guard": scenario, "models": str(models), "vllm": vllm} for scenario in scenarios]
+def guard_runs(
+    models: Path, vllm: bool = False, scenarios=tuple(regression_guard.SCENARIOS), tp: int = 1
+) -> list[dict]:
+    """Guard scenarios to run (`vllm`: through a colocated engine of `tp` tensor-parallel processes)."""
+    return [{"guard": scenario, "models": str(models), "vllm": vllm, "tp": tp} for scenario in scenarios]
 
 
 def launch(out: Path, runs: list[dict], num_processes: int = 2, timeout: float = 900, **options):
@@ -163,8 +166,10 @@ def main(out_dir: str, runs: list[dict]) -> bool:
     group, ok = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None, True
     for run in runs:
         if "guard" in run:
-            extra = {"use_vllm": True} if run.get("vllm") else {}
-            hashes[run["guard"]] = regression_guard.run(run["guard"], Path(run["models"]), out / "guard", **extra)
+            tp = run.get("tp", 1)
+            extra = {"use_vllm": True, "vllm_tensor_parallel_size": tp} if run.get("vllm") else {}
+            key = run["guard"] if tp == 1 else f"{run['guard']}@tp{tp}"
+            hashes[key] = regression_guard.run(run["guard"], Path(run["models"]), out / f"guard-tp{tp}", **extra)
         else:
             folder = out / run["name"]
             folder.mkdir(parents=True, exist_ok=True)

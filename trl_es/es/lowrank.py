@@ -307,21 +307,27 @@ def lowrank_update(
     return apply_lowrank_update(tensors, update_coefficients(fitness, directions, learning_rate, n_members), rank)
 
 
-def lowrank_delta(name: str, weight: torch.Tensor, coefficients: dict[int, float], rank: int) -> torch.Tensor:
+def lowrank_delta(name: str, weight: torch.Tensor, coefficients: dict[int, float], rank: int, region=None):
     """Σ_s c_s·A_s·B_sᵀ/√r for weight `name`, in float32: one matmul [c_1·A_1 … c_S·A_S]·[B_1 … B_S]ᵀ/√r (batched
-    over the experts of a fused expert tensor)."""
-    factors = [lowrank_factors(seed, name, weight.shape, rank, device=weight.device) for seed in coefficients]
+    over the experts of a fused expert tensor). With `region` (`trl_es.es.noise.Region`: `weight` is that shard of
+    the parameter), the whole parameter's delta cut to it, so each element is the whole one's bitwise."""
+    shape = weight.shape if region is None else region.shape
+    factors = [lowrank_factors(seed, name, shape, rank, device=weight.device) for seed in coefficients]
     scaled = [a * (c / math.sqrt(rank)) for (a, _), c in zip(factors, coefficients.values(), strict=True)]
-    return torch.cat(scaled, dim=-1) @ torch.cat([b for _, b in factors], dim=-1).transpose(-1, -2)
+    delta = torch.cat(scaled, dim=-1) @ torch.cat([b for _, b in factors], dim=-1).transpose(-1, -2)
+    return delta if region is None else region.cut(delta)
 
 
 @torch.no_grad()
-def apply_lowrank_update(tensors: dict[str, torch.Tensor], coefficients: dict[int, float], rank: int = 1) -> float:
+def apply_lowrank_update(
+    tensors: dict[str, torch.Tensor], coefficients: dict[int, float], rank: int = 1, regions: dict | None = None
+) -> float:
     """W ← W + Σ_s c_s·A_s·B_sᵀ/√r for each weight, in place (the coefficients already hold α/N·Σ z·sign), added in
-    float32 and cast to the weight dtype once. Returns ‖Δθ‖₂."""
+    float32 and cast to the weight dtype once; a weight of `regions` (a tensor-parallel shard) takes its region of
+    the whole parameter's update (`lowrank_delta`). Returns ‖Δθ‖₂."""
     squared_norm = 0.0
     for name, weight in tensors.items():
-        delta = lowrank_delta(name, weight, coefficients, rank)
+        delta = lowrank_delta(name, weight, coefficients, rank, (regions or {}).get(name))
         squared_norm += float(delta.square().sum())
         updated = (weight.float() + delta).to(weight.dtype)
         if not torch.isfinite(updated).all():

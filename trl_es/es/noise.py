@@ -15,7 +15,9 @@ seed s is the window `table[o : o + len]` at an offset o drawn from hash(s, name
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -23,9 +25,9 @@ from .seeds import noise_table_seed, window_seed
 
 
 CHUNK = 1 << 20
+"""Elements per noise window. Windows of one parameter start at independent offsets."""
 MAX_TABLE_SIZE = 1 << 31
 """The largest noise table a run, a seed chain or the vLLM worker may ask for (8 GiB of float32)."""
-"""Elements per noise window. Windows of one parameter start at independent offsets."""
 
 
 class NoiseTable:
@@ -58,3 +60,62 @@ def member_noise(
         b = min(end, (chunk + 1) * CHUNK)
         offset = offsets[chunk] + a - chunk * CHUNK
         yield a, b, table.values[offset : offset + (b - a)]
+
+
+@dataclass(frozen=True)
+class Region:
+    """The part of a parameter that a tensor holds, its elements in the parameter's order: a tensor-parallel shard
+    (rows of q_proj, columns of o_proj, the gate and up rows of a fused expert tensor). `shape` is the whole
+    parameter's; `ranges[d]` the index ranges kept along dim d, ((start, stop), ...), None for the whole dim. The
+    tensor's noise is the region of the parameter's (`region_noise`), so a shard's member is the whole member's
+    shard bitwise."""
+
+    shape: tuple[int, ...]
+    ranges: tuple[tuple[tuple[int, int], ...] | None, ...]
+
+    @property
+    def numel(self) -> int:
+        """The whole parameter's elements."""
+        return math.prod(self.shape)
+
+    def cut(self, whole: torch.Tensor) -> torch.Tensor:
+        """The region of `whole` (a tensor of `shape`, or its flat view), as a tensor of the holder's shape."""
+        whole = whole.view(self.shape)
+        for dim, ranges in enumerate(self.ranges):
+            if ranges is not None:
+                parts = [whole.narrow(dim, start, stop - start) for start, stop in ranges]
+                whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+        return whole
+
+    def run(self) -> tuple[int, int] | None:
+        """[start, stop) of the parameter's flat elements when the region is one contiguous run of them; else None."""
+        cut = [dim for dim, ranges in enumerate(self.ranges) if ranges is not None]
+        if not cut:
+            return 0, self.numel
+        dim = cut[0]
+        if len(cut) > 1 or len(self.ranges[dim]) > 1 or math.prod(self.shape[:dim]) != 1:
+            return None
+        inner = math.prod(self.shape[dim + 1 :])
+        ((start, stop),) = self.ranges[dim]
+        return start * inner, stop * inner
+
+    def to_json(self) -> list:
+        return [list(self.shape), [None if r is None else [list(pair) for pair in r] for r in self.ranges]]
+
+    @classmethod
+    def from_json(cls, value: list) -> Region:
+        shape, ranges = value
+        return cls(tuple(shape), tuple(None if r is None else tuple(tuple(pair) for pair in r) for r in ranges))
+
+
+def region_noise(table: NoiseTable, seed: int, name: str, region: Region) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """`member_noise` over the elements of `region` (flat, in the region's order): views of the table where the region
+    is one run of the parameter's elements, else the region cut from the whole parameter's noise (one copy)."""
+    run = region.run()
+    if run is not None:
+        for a, b, window in member_noise(table, seed, name, region.numel, *run):
+            yield a - run[0], b - run[0], window
+        return
+    whole = torch.cat([window for _, _, window in member_noise(table, seed, name, region.numel)])
+    piece = region.cut(whole).reshape(-1)
+    yield 0, piece.numel(), piece

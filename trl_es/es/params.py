@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .noise import NoiseTable, member_noise
+from .noise import NoiseTable, Region, member_noise, region_noise
 
 
 LAYER = re.compile(r"(?:^|\.)layers?\.(\d+)\.")
@@ -78,6 +78,7 @@ class ParameterSnapshot:
 
     With `master` (θ in a wider dtype than the parameters, e.g. float32 for a bfloat16 engine) the copy *is* θ: the
     parameters hold its cast, `capture` leaves it as it is, and updates are applied to it (`LocalWeights.update`).
+    A tensor of `regions` is that region of its parameter (a tensor-parallel shard) and takes that region's noise.
     """
 
     def __init__(
@@ -85,8 +86,9 @@ class ParameterSnapshot:
         params: dict[str, torch.nn.Parameter],
         storage_device: torch.device | str = "cpu",
         master: dict[str, torch.Tensor] | None = None,
+        regions: dict[str, Region] | None = None,
     ):
-        self.params = params
+        self.params, self.regions = params, regions or {}
         self.is_master = master is not None
         self.copies = master if master is not None else {
             name: torch.empty_like(p, device=storage_device, memory_format=torch.contiguous_format)
@@ -114,8 +116,14 @@ class ParameterSnapshot:
         for name in self.params if names is None else names:
             p = self.params[name]
             flat, base = p.data.view(-1), self.copies[name].view(-1)
-            for a, b, window in member_noise(table, seed, name, flat.numel()):
+            for a, b, window in self.noise(table, seed, name):
                 if base.device == flat.device:
                     torch.add(base[a:b], window, alpha=scale, out=flat[a:b])
                 else:
                     flat[a:b].copy_(base[a:b].to(flat.device).add_(window, alpha=scale))
+
+    def noise(self, table: NoiseTable, seed: int, name: str):
+        """ε(seed) of parameter `name` in windows (`member_noise`), over its region where it has one."""
+        if name in self.regions:
+            return region_noise(table, seed, name, self.regions[name])
+        return member_noise(table, seed, name, self.params[name].numel())

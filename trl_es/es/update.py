@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .noise import CHUNK, NoiseTable, member_noise
+from .noise import CHUNK, NoiseTable, Region, member_noise
 from .params import ParameterSnapshot
 
 
@@ -44,17 +44,30 @@ def not_finite(name: str, dtype: torch.dtype, coefficients: dict[int, float]) ->
     )
 
 
-def noise_sums(table: NoiseTable, coefficients: dict[int, float], name: str, numel: int, device):
+def noise_sums(
+    table: NoiseTable, coefficients: dict[int, float], name: str, numel: int, device, region: Region | None = None
+):
     """Yield `(a, b, Σ_s c_s ε(s)[a:b])` over parameter `name`'s flat elements, one noise window at a time, each sum
-    accumulated in float32 in one reused buffer (valid until the next window)."""
+    accumulated in float32 in one reused buffer (valid until the next window). With `region` (of a parameter of
+    `region.numel` elements), over that region's elements: the whole parameter's sums cut to it where it is not one
+    run of them, so each element's sum is the whole parameter's bitwise."""
+    if region is not None and region.run() is None:
+        whole = torch.cat(
+            [total.clone() for _, _, total in noise_sums(table, coefficients, name, region.numel, device)]
+        )
+        piece = region.cut(whole).reshape(-1)
+        yield 0, piece.numel(), piece
+        return
+    start, stop = (0, numel) if region is None else region.run()
     seeds, coeffs = list(coefficients), list(coefficients.values())
-    windows = [list(member_noise(table, seed, name, numel)) for seed in seeds]
+    numel = numel if region is None else region.numel
+    windows = [list(member_noise(table, seed, name, numel, start, stop)) for seed in seeds]
     buffer = torch.empty(CHUNK, dtype=torch.float32, device=device)
     for k, (a, b, _) in enumerate(windows[0]):
         total = buffer[: b - a].zero_()
         for coeff, member_windows in zip(coeffs, windows, strict=True):
             total.add_(member_windows[k][2], alpha=coeff)
-        yield a, b, total
+        yield a - start, b - start, total
 
 
 @torch.no_grad()
@@ -67,7 +80,8 @@ def apply_update(
     into: dict[str, torch.Tensor] | None = None,
 ) -> float:
     """Write θ + Σ_s c_s ε(s) − decay·θ into the model's parameters (those in `names`, default all), with θ read
-    from `snapshot`; `into`: other tensors to write it into instead (a master copy of θ, `LocalWeights.update`).
+    from `snapshot`; `into`: other tensors to write it into instead (a master copy of θ, `LocalWeights.update`). A
+    tensor that is a region of its parameter (`snapshot.regions`) takes that region of the parameter's update.
 
     The sum is accumulated in float32 one noise window at a time on the noise table's device, added to θ there
     and cast to the target's dtype once. The snapshot is left untouched (unless it is `into`), so an interrupted
@@ -79,7 +93,7 @@ def apply_update(
     device, squared_norm = table.values.device, 0.0
     for name in snapshot.params if names is None else names:
         flat, base = into[name].data.view(-1), snapshot.copies[name].view(-1)
-        for a, b, delta in noise_sums(table, coefficients, name, flat.numel(), device):
+        for a, b, delta in noise_sums(table, coefficients, name, flat.numel(), device, snapshot.regions.get(name)):
             theta = base[a:b].to(device)
             if decay:
                 delta.add_(theta, alpha=-decay)

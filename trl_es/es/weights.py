@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .noise import NoiseTable
+from .noise import NoiseTable, Region
 from .params import ParameterSnapshot
 from .update import apply_update, write_gradient
 
@@ -103,7 +103,8 @@ class LocalWeights:
 
     With `master` (θ by name, in a wider dtype than `params`: float32 for a bfloat16 engine's tensors) θ lives in
     the master, which is the exact copy: `params` hold the cast of θ or of a member θ + σ·ε computed in the
-    master's precision, and updates are applied to the master, so that updates below `params`' resolution add up."""
+    master's precision, and updates are applied to the master, so that updates below `params`' resolution add up.
+    With `regions`, a tensor is that region of its parameter (a tensor-parallel shard: `ParameterSnapshot`)."""
 
     def __init__(
         self,
@@ -112,9 +113,10 @@ class LocalWeights:
         table_size: int,
         storage_device="cpu",
         master: dict[str, torch.Tensor] | None = None,
+        regions: dict[str, Region] | None = None,
     ):
         self.params, self.seed, self.table_size, self.storage_device = params, seed, table_size, storage_device
-        self.master = master
+        self.master, self.regions = master, regions or {}
         self.batches_members = False  # one member at a time, in the tensors themselves
         self.snapshot: ParameterSnapshot | None = None
         self.table: NoiseTable | None = None
@@ -133,7 +135,7 @@ class LocalWeights:
     def capture(self, names: Iterable[str] | None = None) -> None:
         if self.snapshot is None:
             self.table = NoiseTable(self.seed, self.table_size, next(iter(self.params.values())).device)
-            self.snapshot = ParameterSnapshot(self.params, self.storage_device, self.master)
+            self.snapshot = ParameterSnapshot(self.params, self.storage_device, self.master, self.regions)
             if self.master is not None:
                 self.snapshot.restore()  # the tensors start as the cast of θ
         self.snapshot.capture(names)

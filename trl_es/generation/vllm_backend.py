@@ -28,7 +28,8 @@ import torch
 from transformers import GenerationConfig
 
 from ..es.lowrank import lowrank_targets
-from ..es.weights import LocalWeights
+from ..es.noise import Region
+from ..es.weights import LocalWeights, weights_hash
 from ..util.compat import is_peft_model
 from ..util.models import is_quantized_model, quantization_name
 from .base import Generation, compute_dtype
@@ -287,6 +288,7 @@ class VLLMWeights:
         errors = [r["error"] for r in results if "error" in r]
         if errors:
             raise ValueError(f"vLLM cannot hold this model's ES parameters: {errors[0]}")
+        self.regions = [{n: Region.from_json(r) for n, r in result["regions"].items()} for result in results]
         self.members_in_place = all(r.get("in_place") for r in results)
         if not self.members_in_place:
             warnings.warn(
@@ -301,8 +303,7 @@ class VLLMWeights:
             if errors:
                 raise ValueError(f"vLLM cannot hold the low-rank members as LoRA adapters: {errors[0]}")
             self.adapter_ids = answers[0]["adapter_ids"]
-        expected = local.fingerprint()
-        if any(r["fingerprint"] != expected for r in results):
+        if self.fingerprints([r["fingerprint"] for r in results]) is not None:
             served = getattr(self.engine, "model", None)
             raise ValueError(
                 f"vLLM ({getattr(self.engine, 'url', 'in process')}) serves {served!r}, whose weights differ from "
@@ -374,7 +375,7 @@ class VLLMWeights:
                 f"vLLM's update (‖Δθ‖ = {vllm_norm}) differs from the trainer's ({norm}): its weights no longer "
                 "follow the trainer's"
             )
-        if isinstance(self.engine, Server) and self.fingerprint() != self.local.fingerprint():
+        if isinstance(self.engine, Server) and self.fingerprints(self.engine_fingerprints()) is not None:
             raise RuntimeError(
                 f"the weights served at {self.engine.url} differ from the trainer's after the update: another client "
                 "changed them. Training stops; resume from the last checkpoint once the server is yours alone."
@@ -424,4 +425,17 @@ class VLLMWeights:
         return route
 
     def fingerprint(self) -> str:
-        return self.engine.rpc("es_fingerprint", {})[0]["fingerprint"]
+        return self.engine_fingerprints()[0]
+
+    def engine_fingerprints(self) -> list[str]:
+        """Each worker's fingerprint of the weights it holds (in colocate mode, this process's worker's)."""
+        return [result["fingerprint"] for result in self.engine.rpc("es_fingerprint", {})]
+
+    def fingerprints(self, fingerprints: list[str]) -> int | None:
+        """The first worker whose `fingerprints` entry is not the trainer's θ over what that worker holds (all of θ,
+        or under tensor parallelism its regions, `self.regions`); None when every one is."""
+        for worker, (fingerprint, regions) in enumerate(zip(fingerprints, self.regions, strict=True)):
+            held = {name: regions[name].cut(p.detach()) if name in regions else p for name, p in self.params.items()}
+            if fingerprint != weights_hash(held):
+                return worker
+        return None

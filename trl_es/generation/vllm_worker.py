@@ -53,7 +53,7 @@ import os
 import torch
 
 from ..es.lowrank import apply_lowrank_update, lowrank_factors
-from ..es.noise import CHUNK, MAX_TABLE_SIZE
+from ..es.noise import CHUNK, MAX_TABLE_SIZE, Region
 from ..es.weights import LocalWeights, weights_hash
 
 
@@ -148,6 +148,49 @@ def _pack_experts(tensor: torch.Tensor, packed: torch.Tensor, isa: str) -> None:
     torch.ops._C.prepack_moe_weight(tensor, packed, isa)
 
 
+def linear_region(layer, index: int, part_lengths: list[int], shape, param_shape) -> tuple[int, Region | None]:
+    """Where vLLM's `layer` (a linear layer, fused or not, or an embedding) holds part `index` of its parts (whole
+    lengths `part_lengths`: q, k, v of qkv_proj), a transformers weight of `shape`: the row offset of the part in the
+    parameter (of `param_shape`) and the region of the weight held there (None: all of it). The regions are vLLM's
+    tensor-parallel split: a vocabulary shard's rows; a column-parallel layer's rows, each fused part split alike (a
+    key/value head on several ranks where there are fewer heads than ranks); a row-parallel layer's columns."""
+    rank, size = getattr(layer, "tp_rank", 0), getattr(layer, "tp_size", 1)
+    ranges = [None] * len(shape)
+    if hasattr(layer, "shard_indices"):  # VocabParallelEmbedding, ParallelLMHead
+        offset, indices = 0, layer.shard_indices
+        ranges[0] = ((indices.org_vocab_start_index, indices.org_vocab_end_index),)
+    else:
+        lengths = getattr(layer, "output_partition_sizes", part_lengths) if size > 1 else part_lengths
+        offset, length = sum(lengths[:index]), lengths[index]
+        start = rank * shape[0] // (size * length) * length
+        ranges[0] = ((start, start + length),)
+        if len(shape) == 2 and param_shape[1] < shape[1]:  # row-parallel: the input columns split
+            ranges[1] = ((rank * param_shape[1], (rank + 1) * param_shape[1]),)
+    ranges = [None if r == ((0, n),) else r for r, n in zip(ranges, shape, strict=True)]
+    return offset, Region(tuple(shape), tuple(ranges)) if any(ranges) else None
+
+
+def expert_region(leaf: str, shape, experts_held: int) -> Region | None | bool:
+    """The region of a fused expert tensor (`EXPERT_TENSORS`) of `shape` that this tensor-parallel rank's MoE layer
+    holds (None: all of it): each expert's intermediate dim split as vLLM splits it (gate_up_proj [E, 2I, H]: the
+    rank's gate rows then its up rows; down_proj [E, H, I]: its columns). False where the experts themselves are
+    split over ranks (`experts_held` < E: expert parallelism), which members are not written into."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    if experts_held != shape[0]:
+        return False
+    if size == 1:
+        return None
+    if leaf == "gate_up_proj":
+        half = shape[1] // 2
+        part = half // size
+        rows = ((rank * part, (rank + 1) * part), (half + rank * part, half + (rank + 1) * part))
+        return Region(tuple(shape), (None, rows, None))
+    part = shape[2] // size
+    return Region(tuple(shape), (None, None, ((rank * part, (rank + 1) * part),)))
+
+
 class ESWorkerExtension:
     """Methods that vLLM's worker gains, each taking its arguments as one JSON string (what vLLM's HTTP
     `/collective_rpc` passes). `es_init` first; then `es_perturb`, `es_restore`, `es_update`."""
@@ -204,14 +247,21 @@ class ESWorkerExtension:
         self._es_weights = LocalWeights(working, *table, storage_device="cpu", master=master)
         self._es_views = False
         self._es_push(set(working))  # vLLM may hold other weights (an earlier run's, on a server)
-        views = self._es_find_views(model, working)
-        if views:
-            self._es_weights = LocalWeights(views, *table, storage_device="cpu", master=master)
+        found, regions = self._es_find_views(model, working), {}
+        if found:
+            views, regions = found
+            if master is not None:  # each rank's float32 θ is the region its tensors hold
+                master = {name: regions[name].cut(t).clone() if name in regions else t for name, t in master.items()}
+            self._es_weights = LocalWeights(views, *table, storage_device="cpu", master=master, regions=regions)
             self._es_views = True
             if self._es_repacked:
                 _reuse_freed_memory()
         self._es_weights.capture()
-        return {"fingerprint": self._es_fingerprint_theta(), "in_place": self._es_views}
+        return {
+            "fingerprint": self._es_fingerprint_theta(),
+            "in_place": self._es_views,
+            "regions": {name: region.to_json() for name, region in regions.items()},
+        }
 
     @staticmethod
     def _es_keep_cpu_weights(model) -> None:
@@ -253,11 +303,12 @@ class ESWorkerExtension:
                     self._es_packed_experts[f"{module}.{leaf}"] = (getattr(layer, param).data, isa)
         return None
 
-    def _es_find_views(self, model, working: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """For each ES name, the rows of vLLM's parameter that hold it (module docstring), when every one is found
-        and equals the worker's tensor bitwise; None otherwise. On CPU also records, per name, the layers to re-pack
-        after it changes (the tied head shares the embedding's weight), and for the experts that vLLM's CPU kernel
-        packs, the worker's own tensor (`_es_push` packs it)."""
+    def _es_find_views(self, model, working: dict[str, torch.Tensor]) -> tuple[dict, dict] | None:
+        """For each ES name, the part of vLLM's parameter that holds it (module docstring) and, under tensor
+        parallelism, the region of the whole tensor that part is (`linear_region`, `expert_region`), when every one
+        is found and equals that region of the worker's tensor bitwise; None otherwise. On CPU also records, per
+        name, the layers to re-pack after it changes (the tied head shares the embedding's weight), and for the
+        experts that vLLM's CPU kernel packs, the worker's own tensor (`_es_push` packs it)."""
         params = dict(model.named_parameters(remove_duplicate=False))
         fused = {
             part: (whole, parts)
@@ -266,36 +317,48 @@ class ESWorkerExtension:
             if whole != part
         }
         packing = [m for m in model.modules() if hasattr(m, "cpu_linear")] if self._es_repacked else []
-        views = {}
+        views, regions = {}, {}
         for name in self._es_names:
             tensor = working[name]
             module, _, leaf = name.rpartition(".")
             prefix, _, part = module.rpartition(".")
-            target, offset = name, 0
-            if name in self._es_packed_experts:
-                views[name], self._es_packed[name] = tensor, []
-                continue
-            if module in self._es_moe and leaf in EXPERT_TENSORS:  # a fused expert tensor: the layer's w13/w2, whole
-                param = getattr(self._es_moe[module], EXPERT_TENSORS[leaf])
+            if module in self._es_moe and leaf in EXPERT_TENSORS:  # a fused expert tensor: the layer's w13/w2
+                experts = getattr(self._es_moe[module], EXPERT_TENSORS[leaf])
+                region = expert_region(leaf, tensor.shape, len(experts))
+                if region is False:
+                    return None
+                held = tensor if region is None else region.cut(tensor)
+                if name in self._es_packed_experts:  # the worker's own tensor, packed into vLLM's at each write
+                    views[name], self._es_packed[name] = held.clone(), []
+                    regions.update({name: region} if region else {})
+                    continue
+                param, rows = None, experts.data
             else:
+                target, index = module, 0
                 if part in fused:
                     whole, parts = fused[part]
-                    target = f"{prefix}.{whole}.{leaf}"
-                    before = [working.get(f"{prefix}.{sibling}.{leaf}") for sibling in parts[: parts.index(part)]]
-                    if any(sibling is None for sibling in before):
-                        return None
-                    offset = sum(len(sibling) for sibling in before)
-                param = params.get(target)
-                if param is None:  # with LoRA enabled, vLLM wraps the layer: its weight is the base layer's
-                    param = params.get(f"{target.rpartition('.')[0]}.base_layer.{leaf}")
-            if param is None or param.dtype != tensor.dtype or param.shape[1:] != tensor.shape[1:]:
-                return None
-            rows = param.data.narrow(0, offset, tensor.shape[0]) if offset + tensor.shape[0] <= len(param) else None
-            if rows is None or not torch.equal(rows, tensor):
+                    target, index = f"{prefix}.{whole}", parts.index(part)
+                if f"{target}.{leaf}" not in params:  # with LoRA enabled, vLLM wraps the layer: the base layer's
+                    target = f"{target}.base_layer"
+                param = params.get(f"{target}.{leaf}")
+                if param is None:
+                    return None
+                siblings = [working.get(f"{prefix}.{sibling}.{leaf}") for sibling in fused.get(part, ("", [part]))[1]]
+                if any(sibling is None for sibling in siblings):
+                    return None
+                offset, region = linear_region(
+                    model.get_submodule(target), index, [len(s) for s in siblings], tensor.shape, param.shape
+                )
+                held = tensor if region is None else region.cut(tensor)
+                rows = param.data.narrow(0, offset, len(held)) if offset + len(held) <= len(param) else None
+            if rows is None or rows.dtype != held.dtype or rows.shape != held.shape or not torch.equal(rows, held):
                 return None
             views[name] = rows
-            self._es_packed[name] = [m for m in packing if m.weight.data_ptr() == param.data_ptr()]
-        return views
+            regions.update({name: region} if region else {})
+            self._es_packed[name] = [
+                m for m in packing if param is not None and m.weight.data_ptr() == param.data_ptr()
+            ]
+        return views, regions
 
     def es_perturb(self, payload: str) -> dict:
         """vLLM's weights ← θ + scale·ε(seed) over `names` (default: all ES names), θ elsewhere; {"written": the
@@ -324,27 +387,48 @@ class ESWorkerExtension:
         coefficients = {int(seed): float(c) for seed, c in args["coefficients"]}
         if "rank" in args:  # the low-rank update W ← W + Σ_s c_s·A_s·B_sᵀ/√r, written into θ's tensors in place
             try:
-                norm = self._es_lowrank_update(names, coefficients, args["rank"])
+                norm = self._es_whole_norm(
+                    names, lambda part: self._es_lowrank_update(part, coefficients, args["rank"])
+                )
             except BaseException:
                 weights.snapshot.restore(names)  # a non-finite update stops half-way: θ back everywhere
                 self._es_push(set(names))
                 raise
         else:
-            norm = weights.update(coefficients, decay=args.get("decay", 0.0), names=names)
+            decay = args.get("decay", 0.0)
+            norm = self._es_whole_norm(names, lambda part: weights.update(coefficients, decay=decay, names=part))
         weights.capture(names)
         self._es_push(written)
         return {"update_norm": norm}
+
+    def _es_whole_norm(self, names: list[str], update) -> float:
+        """‖Δθ‖₂ over the whole parameters `names`, from `update(part)` (which updates the tensors `part` held here and
+        returns the norm of their update): each tensor-parallel rank's held parts are summed over vLLM's
+        tensor-parallel group, a part that c ranks hold alike (a norm, a replicated key/value head) counted 1/c."""
+        from vllm.distributed import get_tensor_model_parallel_world_size, get_tp_group
+
+        size = get_tensor_model_parallel_world_size()
+        if size == 1:
+            return update(names)
+        copies = {}
+        for name in names:
+            held, region = self._es_weights.params[name].numel(), self._es_weights.regions.get(name)
+            copies.setdefault(size * held // (region.numel if region else held), []).append(name)
+        squared = torch.tensor([sum(update(part) ** 2 / c for c, part in copies.items())], dtype=torch.float64)
+        torch.distributed.all_reduce(squared, group=get_tp_group().cpu_group)
+        return float(squared) ** 0.5
 
     def _es_lowrank_update(self, names: list[str], coefficients: dict[int, float], rank: int) -> float:
         """`apply_lowrank_update` on θ: vLLM's tensors themselves, or with a float32 master the master (each weight
         updated on vLLM's device, as the trainer updates it, then cast into vLLM's tensor)."""
         weights = self._es_weights
+        regions = weights.regions
         if weights.master is None:
-            return apply_lowrank_update({n: weights.params[n] for n in names}, coefficients, rank)
+            return apply_lowrank_update({n: weights.params[n] for n in names}, coefficients, rank, regions)
         squared = 0.0
         for name in names:
             theta = {name: weights.master[name].to(weights.params[name].device)}
-            squared += apply_lowrank_update(theta, coefficients, rank) ** 2
+            squared += apply_lowrank_update(theta, coefficients, rank, regions) ** 2
             weights.master[name].copy_(theta[name])
         weights.snapshot.restore(names)
         return squared**0.5
@@ -476,9 +560,10 @@ class ESWorkerExtension:
         args = parse_payload(payload, "members")
         if len(args["members"]) > len(self._es_slots):
             raise ValueError(f"{len(args['members'])} members for {len(self._es_slots)} adapter slots")
-        rank = self._es_rank
+        rank, regions = self._es_rank, self._es_weights.regions
         for name, (a_stacked, b_stacked) in self._es_adapters.items():
-            shape = tuple(self._es_weights.params[name].shape)
+            region = regions.get(name)
+            shape = region.shape if region else tuple(self._es_weights.params[name].shape)
             for k, slot in enumerate(self._es_slots):
                 seed, scale = args["members"][k] if k < len(args["members"]) else (0, 0.0)
                 if scale == 0:
@@ -486,6 +571,9 @@ class ESWorkerExtension:
                     b_stacked[slot].zero_()
                     continue
                 a, b = lowrank_factors(seed, name, shape, rank, device=a_stacked.device)
+                if region is not None:  # A's rows of the shard's rows (column-parallel), B's of its columns (row-)
+                    a = Region(tuple(a.shape), (region.ranges[0], None)).cut(a)
+                    b = Region(tuple(b.shape), (region.ranges[1], None)).cut(b)
                 a_stacked[slot, 0, :rank].copy_(b.T)
                 b_stacked[slot, 0, :, :rank].copy_(a * (scale / math.sqrt(rank)))
         return {"members": len(args["members"])}

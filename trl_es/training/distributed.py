@@ -1,10 +1,14 @@
 """Several processes: who evaluates which member, the one all-reduce per step, and θ under DeepSpeed ZeRO-3.
 
 Every process reads the same prompts and regenerates every member's noise from its seed. The step's slots (the
-unperturbed centre when `es_baseline="center"`, then members 0..N−1) are dealt round-robin: process r evaluates
-slots r, r+K, r+2K, … Each evaluated slot is summarised in one row of float64 numbers (`trl_es.training.population`); the rows
-of all processes are summed with one all-reduce (each row has one non-zero contributor, so the sum is exact), and
-every process then applies the identical update. What crosses the wire per step: seeds never, N rows of scalars.
+unperturbed centre when `es_baseline="center"`, then members 0..N−1) are dealt round-robin over the engines: with G
+engines, engine g evaluates slots g, g+G, g+2G, … An engine is one process, or with a tensor-parallel vLLM engine
+(`vllm_tensor_parallel_size` = T in colocate mode) the T consecutive processes that hold its shards, which evaluate
+the same slots together and make the same generate calls (vLLM's external launcher runs one program on all of them).
+Each evaluated slot is summarised in one row of float64 numbers (`trl_es.training.population`), which the engine's
+first process contributes; the rows of all processes are summed with one all-reduce (each row has one non-zero
+contributor, so the sum is exact), and every process then applies the identical update. What crosses the wire per
+step: seeds never, N rows of scalars.
 
 Under ZeRO-3, θ is partitioned across processes: a step gathers it (`full_parameters`), and after the update each
 process copies its slice back into its partition (`write_shards`). ZeRO-1/2 partition optimizer state and
@@ -44,6 +48,11 @@ def check_fsdp_launch(args) -> None:
         )
 
 
+def engine_size(args) -> int:
+    """Processes per generation engine: a colocated vLLM engine's tensor-parallel size, else 1 (module docstring)."""
+    return args.vllm_tensor_parallel_size if args.use_vllm and args.vllm_mode == "colocate" else 1
+
+
 def local_slots(n_slots: int, process_index: int, num_processes: int) -> list[int]:
     """The slots process `process_index` of `num_processes` evaluates (round-robin; none when index ≥ n_slots)."""
     return list(range(process_index, n_slots, num_processes))
@@ -71,26 +80,45 @@ def all_reduce_summaries(
 
 
 class Processes:
-    """The trainer's processes (an Accelerate `accelerator`) and, under ZeRO-3, its partitioned θ."""
+    """The trainer's processes (an Accelerate `accelerator`), grouped into engines of `engine_size` processes (a
+    tensor-parallel vLLM engine's; module docstring), and, under ZeRO-3, its partitioned θ."""
 
-    def __init__(self, accelerator, zero_stage: int | None, timeout_s: float, n_slots: int):
+    def __init__(self, accelerator, zero_stage: int | None, timeout_s: float, n_slots: int, engine_size: int = 1):
         self.accelerator, self.zero_stage, self.timeout_s = accelerator, zero_stage, timeout_s
-        if accelerator.num_processes > n_slots:
+        if accelerator.num_processes % engine_size:
+            raise ValueError(
+                f"vllm_tensor_parallel_size ({engine_size}) must divide the number of processes "
+                f"({accelerator.num_processes}): each vLLM engine spans that many processes"
+            )
+        self.engine, self.engines = accelerator.process_index // engine_size, accelerator.num_processes // engine_size
+        self.leads_engine = accelerator.process_index % engine_size == 0
+        if self.engines > n_slots:
             warnings.warn(
-                f"{accelerator.num_processes} processes for {n_slots} evaluations per step (population and centre): "
-                f"{accelerator.num_processes - n_slots} processes will only wait. Use at most {n_slots} processes or "
-                "a larger population_size."
+                f"{self.engines} engines (processes / vllm_tensor_parallel_size) for {n_slots} evaluations per step "
+                f"(population and centre): {self.engines - n_slots} will only wait. Use at most {n_slots} or a larger "
+                "population_size."
             )
 
     def slots(self, n_slots: int) -> list[int]:
-        return local_slots(n_slots, self.accelerator.process_index, self.accelerator.num_processes)
+        """The slots this process's engine evaluates."""
+        return local_slots(n_slots, self.engine, self.engines)
+
+    def engine_rows(self, rows: list) -> list:
+        """This process's engine's share of `rows` (every `engines`-th, from its index): an evaluation's problems."""
+        return rows[self.engine :: self.engines]
+
+    def reduce(self, totals: torch.Tensor) -> torch.Tensor:
+        """The sum over the engines of their `totals` (each engine's first process contributes its own)."""
+        mine = totals if self.leads_engine else torch.zeros_like(totals)
+        return self.accelerator.reduce(mine.to(self.accelerator.device), "sum").cpu()
 
     def exchange(self, summaries: torch.Tensor, error: Exception | None, step: int) -> torch.Tensor:
         """The one all-reduce of the step; raises this process's `error`, or an error naming the processes that
         failed, after every process has heard of it (so none waits for the others)."""
         accelerator = self.accelerator
+        mine = summaries if self.leads_engine else torch.zeros_like(summaries)  # the engine's rows, counted once
         try:
-            summaries, failed = all_reduce_summaries(summaries, error is not None, accelerator.device, self.timeout_s)
+            summaries, failed = all_reduce_summaries(mine, error is not None, accelerator.device, self.timeout_s)
         except RuntimeError as exc:  # torch.distributed timeouts and lost peers are RuntimeErrors
             raise RuntimeError(
                 f"ES step {step + 1}: process {accelerator.process_index} of {accelerator.num_processes} gave up waiting "

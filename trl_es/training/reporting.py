@@ -123,12 +123,12 @@ class ReportingMixin:
             for name, part in dataset.items():
                 metrics.update(self.evaluate(part, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
-        args, accelerator, start_time = self.args, self.accelerator, time.perf_counter()
+        args, start_time = self.args, time.perf_counter()
         n = args.num_generations_eval or args.num_generations
         task = get_task(args.eval_task) if args.eval_task else None
         extract, same_answer = (task.extract_answer, task.same_answer) if task else (None, None)
-        rank, world, size = accelerator.process_index, accelerator.num_processes, args.per_device_eval_batch_size
-        rows, records = list(dataset)[rank::world], []
+        processes, size = self.processes, args.per_device_eval_batch_size
+        rows, records = processes.engine_rows(list(dataset)), []
         options = (args.eval_k, extract, args.success_threshold)
 
         def rewards_of(rows, completions):
@@ -139,7 +139,7 @@ class ReportingMixin:
         self.weights.start()
         with self._full_parameters():
             for start in range(0, len(rows), size):
-                first = rank + start * world  # the chunk's first problem
+                first = processes.engine + start * processes.engines  # the chunk's first problem
                 seed = eval_seed(args.seed, self.state.global_step, first)
                 key = ("eval", self.state.global_step, first)  # the environments' resets of this chunk
                 chunk = rows[start : start + size]
@@ -148,8 +148,7 @@ class ReportingMixin:
                         self.rollout, chunk, n, seed, rewards_of, *options, key=key, same_answer=same_answer
                     )
                 )
-        reduce = lambda totals: accelerator.reduce(totals.to(accelerator.device), "sum").cpu()  # noqa: E731
-        summary = summarize_records(records, args.eval_k, extract is not None, reduce)
+        summary = summarize_records(records, args.eval_k, extract is not None, processes.reduce)
         metrics = {f"{metric_key_prefix}_{key}": value for key, value in summary.items() if key != "problems"}
         if not self.rollout.records_entropy:
             del metrics[f"{metric_key_prefix}_mean_token_entropy"]

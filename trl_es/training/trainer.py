@@ -25,7 +25,7 @@ from ..util.compat import BaseTrainer, check_trainer_hooks
 from ..util.models import is_quantized_model, load_starting_model
 from .checkpoints import SavingMixin
 from .config import ESConfig
-from .distributed import Processes, check_fsdp_launch
+from .distributed import Processes, check_fsdp_launch, engine_size
 from .loading import (
     DataMixin,
     check_args,
@@ -170,7 +170,9 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         self.is_deepspeed_enabled = False
         check_setup(args, self.model, zero_stage, self.accelerator.num_processes, self.accelerator.mixed_precision)
-        self.processes = Processes(self.accelerator, zero_stage, args.ddp_timeout, Population.slot_count(args))
+        self.processes = Processes(
+            self.accelerator, zero_stage, args.ddp_timeout, Population.slot_count(args), engine_size(args)
+        )
         if self.processes.fsdp_launch():
             self.is_fsdp_enabled = False
             if not is_quantized_model(self.model):
