@@ -73,7 +73,7 @@ def extension(trainer):
 
 def adapters_zero(trainer) -> bool:
     """Whether every low-rank adapter slot inside vLLM holds zeros."""
-    return all(not a.any() and not b.any() for a, b in extension(trainer)._es_adapters.values())
+    return all(not a.any() and not b.any() for a, b, _ in extension(trainer)._es_adapters.values())
 
 
 def failing_run(out, model_dir, fail_at: int, results: dict, **overrides):
@@ -279,7 +279,7 @@ def lowrank(out: Path) -> dict:
         for name, module in list(space.targets.items())[:3]:
             hooks = LowRankPopulation({name: module}, [m[0] for m in members], [m[1] for m in members], sigma, 2)
             b_all, a_all = hooks.concatenated_factors(name, module.weight)
-            a, b = inside_vllm._es_adapters[name]
+            a, b, _ = inside_vllm._es_adapters[name]
             for k in range(len(members)):
                 reference = module.weight.float() + (b_all[:, 2 * k : 2 * k + 2] @ a_all[2 * k : 2 * k + 2]).T
                 slot = inside_vllm._es_slots[k]

@@ -78,6 +78,13 @@ class Region:
         """The whole parameter's elements."""
         return math.prod(self.shape)
 
+    @property
+    def held_shape(self) -> tuple[int, ...]:
+        """The shape of the tensor that holds the region."""
+        return tuple(
+            n if r is None else sum(b - a for a, b in r) for n, r in zip(self.shape, self.ranges, strict=True)
+        )
+
     def cut(self, whole: torch.Tensor) -> torch.Tensor:
         """The region of `whole` (a tensor of `shape`, or its flat view), as a tensor of the holder's shape."""
         whole = whole.view(self.shape)

@@ -148,26 +148,28 @@ def _pack_experts(tensor: torch.Tensor, packed: torch.Tensor, isa: str) -> None:
     torch.ops._C.prepack_moe_weight(tensor, packed, isa)
 
 
-def linear_region(layer, index: int, part_lengths: list[int], shape, param_shape) -> tuple[int, Region | None]:
-    """Where vLLM's `layer` (a linear layer, fused or not, or an embedding) holds part `index` of its parts (whole
-    lengths `part_lengths`: q, k, v of qkv_proj), a transformers weight of `shape`: the row offset of the part in the
-    parameter (of `param_shape`) and the region of the weight held there (None: all of it). The regions are vLLM's
-    tensor-parallel split: a vocabulary shard's rows; a column-parallel layer's rows, each fused part split alike (a
-    key/value head on several ranks where there are fewer heads than ranks); a row-parallel layer's columns."""
+def shard_region(layer, shape, held_shape) -> Region | None:
+    """The region of a transformers weight of `shape` that vLLM's `layer` (a linear layer or an embedding) holds as
+    a part of shape `held_shape` (a fused layer's part: q of qkv_proj), None for all of it: vLLM's tensor-parallel
+    split, from the layer's rank. A vocabulary shard's rows; a column-parallel layer's rows (a key/value head on
+    several ranks where there are fewer heads than ranks); a row-parallel layer's columns."""
     rank, size = getattr(layer, "tp_rank", 0), getattr(layer, "tp_size", 1)
     ranges = [None] * len(shape)
     if hasattr(layer, "shard_indices"):  # VocabParallelEmbedding, ParallelLMHead
-        offset, indices = 0, layer.shard_indices
-        ranges[0] = ((indices.org_vocab_start_index, indices.org_vocab_end_index),)
-    else:
-        lengths = getattr(layer, "output_partition_sizes", part_lengths) if size > 1 else part_lengths
-        offset, length = sum(lengths[:index]), lengths[index]
-        start = rank * shape[0] // (size * length) * length
-        ranges[0] = ((start, start + length),)
-        if len(shape) == 2 and param_shape[1] < shape[1]:  # row-parallel: the input columns split
-            ranges[1] = ((rank * param_shape[1], (rank + 1) * param_shape[1]),)
+        ranges[0] = ((layer.shard_indices.org_vocab_start_index, layer.shard_indices.org_vocab_end_index),)
+    elif size > 1 and len(shape) <= 2:
+        rows = held_shape[0]
+        start = rank * shape[0] // (size * rows) * rows
+        ranges[0] = ((start, start + rows),)
+        if len(shape) == 2 and held_shape[1] < shape[1]:  # row-parallel: the input columns split
+            ranges[1] = ((rank * held_shape[1], (rank + 1) * held_shape[1]),)
     ranges = [None if r == ((0, n),) else r for r, n in zip(ranges, shape, strict=True)]
-    return offset, Region(tuple(shape), tuple(ranges)) if any(ranges) else None
+    return Region(tuple(shape), tuple(ranges)) if any(ranges) else None
+
+
+def _factor_rows(factor: torch.Tensor, ranges) -> torch.Tensor:
+    """The rows `ranges` of a low-rank factor ((start, stop) pairs of a `Region`; None: all of them)."""
+    return factor if ranges is None else Region(tuple(factor.shape), (ranges, None)).cut(factor)
 
 
 def expert_region(leaf: str, shape, experts_held: int) -> Region | None | bool:
@@ -305,7 +307,7 @@ class ESWorkerExtension:
 
     def _es_find_views(self, model, working: dict[str, torch.Tensor]) -> tuple[dict, dict] | None:
         """For each ES name, the part of vLLM's parameter that holds it (module docstring) and, under tensor
-        parallelism, the region of the whole tensor that part is (`linear_region`, `expert_region`), when every one
+        parallelism, the region of the whole tensor that part is (`shard_region`, `expert_region`), when every one
         is found and equals that region of the worker's tensor bitwise; None otherwise. On CPU also records, per
         name, the layers to re-pack after it changes (the tied head shares the embedding's weight), and for the
         experts that vLLM's CPU kernel packs, the worker's own tensor (`_es_push` packs it)."""
@@ -341,14 +343,16 @@ class ESWorkerExtension:
                 if f"{target}.{leaf}" not in params:  # with LoRA enabled, vLLM wraps the layer: the base layer's
                     target = f"{target}.base_layer"
                 param = params.get(f"{target}.{leaf}")
-                if param is None:
-                    return None
                 siblings = [working.get(f"{prefix}.{sibling}.{leaf}") for sibling in fused.get(part, ("", [part]))[1]]
-                if any(sibling is None for sibling in siblings):
+                if param is None or any(sibling is None for sibling in siblings):
                     return None
-                offset, region = linear_region(
-                    model.get_submodule(target), index, [len(s) for s in siblings], tensor.shape, param.shape
+                layer = model.get_submodule(target)
+                lengths = [len(sibling) for sibling in siblings]  # the parts' rows: whole, or each rank's share
+                lengths = (
+                    getattr(layer, "output_partition_sizes", lengths) if getattr(layer, "tp_size", 1) > 1 else lengths
                 )
+                offset = sum(lengths[:index])
+                region = shard_region(layer, tensor.shape, (lengths[index], *param.shape[1:]))
                 held = tensor if region is None else region.cut(tensor)
                 rows = param.data.narrow(0, offset, len(held)) if offset + len(held) <= len(param) else None
             if rows is None or rows.dtype != held.dtype or rows.shape != held.shape or not torch.equal(rows, held):
@@ -460,7 +464,9 @@ class ESWorkerExtension:
 
     def _es_lora_slices(self, module_name: str, shape: tuple[int, int], rank: int):
         """vLLM's stacked LoRA tensors (A: (slots, 1, rank, in), B: (slots, 1, out, rank)) of the HF linear
-        `module_name` of weight shape `shape` (a fused layer's slice: q_proj of qkv_proj), or an error."""
+        `module_name` of weight shape `shape` (a fused layer's slice: q_proj of qkv_proj) and, under tensor
+        parallelism, the region of the weight they adapt on this rank (`shard_region`: B's rows of a column-parallel
+        layer's, A's columns of a row-parallel one's); or an error."""
         adapters = self.model_runner.lora_manager._adapter_manager
         fused = {
             part: (whole, i)
@@ -473,9 +479,11 @@ class ESWorkerExtension:
         if layer is None or not hasattr(layer, "lora_a_stacked") or index >= len(layer.lora_a_stacked):
             return f"vLLM has no LoRA layer for {module_name!r}"
         a, b = layer.lora_a_stacked[index], layer.lora_b_stacked[index]
-        if (b.shape[2], a.shape[3]) != shape or a.shape[2] < rank:
-            return f"vLLM's LoRA layer for {module_name!r} is {(b.shape[2], a.shape[3])}, the weight {shape}"
-        return a, b
+        held = (b.shape[2], a.shape[3])
+        region = shard_region(getattr(layer, "base_layer", layer), shape, held)
+        if (region.held_shape if region else shape) != held or a.shape[2] < rank:
+            return f"vLLM's LoRA layer for {module_name!r} is {held}, the weight {shape}"
+        return a, b, region
 
     def es_lowrank_init(self, payload: str) -> dict:
         """Register `slots` pinned zero adapters of rank `rank` and find, for each of `names` (the trainer's
@@ -487,7 +495,8 @@ class ESWorkerExtension:
             return {"error": ids}
         self._es_adapters, self._es_rank = {}, args["rank"]
         for name in args["names"]:
-            shape = tuple(self._es_weights.params[name].shape)
+            region = self._es_weights.regions.get(name)
+            shape = region.shape if region else tuple(self._es_weights.params[name].shape)
             found = self._es_lora_slices(name.rpartition(".")[0], shape, args["rank"])
             if isinstance(found, str):
                 return {"error": found}
@@ -510,7 +519,7 @@ class ESWorkerExtension:
         ids = self._es_register_slots(args["slots"] + 1, args["rank"])
         if isinstance(ids, str):
             return {"error": ids}
-        self._es_pairs = []  # (A's name, B's name, scaling, A's stacked, B's stacked)
+        self._es_pairs = []  # (A's name, B's name, scaling, A's stacked, B's stacked, this rank's region)
         for module, a_name, b_name, scaling in args["modules"]:
             rank, fan_in = working[a_name].shape
             found = self._es_lora_slices(module, (working[b_name].shape[0], fan_in), rank)
@@ -528,12 +537,14 @@ class ESWorkerExtension:
         """LoRA slot `slot` ← the adapter the worker's tensors hold now: A, and B times its scaling (vLLM folds the
         scaling into B as it does when it loads an adapter), cast to vLLM's dtype; ranks beyond the adapter's zero."""
         params = self._es_weights.params
-        for a_name, b_name, scaling, a_stacked, b_stacked in self._es_pairs:
-            rank = params[a_name].shape[0]
+        for a_name, b_name, scaling, a_stacked, b_stacked, region in self._es_pairs:
+            a, b = params[a_name], params[b_name] * scaling
+            if region is not None:  # this rank's rows of B (column-parallel), columns of A (row-parallel)
+                a, b = _factor_rows(a.T, region.ranges[1]).T, _factor_rows(b, region.ranges[0])
             a_stacked[slot].zero_()
             b_stacked[slot].zero_()
-            a_stacked[slot, 0, :rank].copy_(params[a_name])
-            b_stacked[slot, 0, :, :rank].copy_(params[b_name] * scaling)
+            a_stacked[slot, 0, : len(a)].copy_(a)
+            b_stacked[slot, 0, :, : len(a)].copy_(b)
 
     def es_adapter_members(self, payload: str) -> dict:
         """Adapter mode: slot k+1 ← member k of `members` ([[seed, scale], ...]: θ + scale·ε over `member_names[k]`,
@@ -560,9 +571,8 @@ class ESWorkerExtension:
         args = parse_payload(payload, "members")
         if len(args["members"]) > len(self._es_slots):
             raise ValueError(f"{len(args['members'])} members for {len(self._es_slots)} adapter slots")
-        rank, regions = self._es_rank, self._es_weights.regions
-        for name, (a_stacked, b_stacked) in self._es_adapters.items():
-            region = regions.get(name)
+        rank = self._es_rank
+        for name, (a_stacked, b_stacked, region) in self._es_adapters.items():
             shape = region.shape if region else tuple(self._es_weights.params[name].shape)
             for k, slot in enumerate(self._es_slots):
                 seed, scale = args["members"][k] if k < len(args["members"]) else (0, 0.0)
@@ -572,8 +582,7 @@ class ESWorkerExtension:
                     continue
                 a, b = lowrank_factors(seed, name, shape, rank, device=a_stacked.device)
                 if region is not None:  # A's rows of the shard's rows (column-parallel), B's of its columns (row-)
-                    a = Region(tuple(a.shape), (region.ranges[0], None)).cut(a)
-                    b = Region(tuple(b.shape), (region.ranges[1], None)).cut(b)
+                    a, b = _factor_rows(a, region.ranges[0]), _factor_rows(b, region.ranges[1])
                 a_stacked[slot, 0, :rank].copy_(b.T)
                 b_stacked[slot, 0, :, :rank].copy_(a * (scale / math.sqrt(rank)))
         return {"members": len(args["members"])}
