@@ -139,6 +139,41 @@ def train(model_dir: str, out_dir: str, overrides: dict, fault: str | None = Non
     return result
 
 
+def tensor_parallel_members(model_dir: str, out_dir: str, tp: int = 2) -> dict:
+    """bf16 members through a tensor-parallel vLLM engine: on each rank, the shard vLLM holds of members of two
+    seeds is the bfloat16 cast of that region of the trainer's θ + σ·ε, bitwise; then 2 ES steps, saved with their
+    chain (the test replays it)."""
+    from regression_guard import PROMPTS, reward
+
+    from trl_es.es.weights import weights_hash
+
+    args = ESConfig(output_dir=out_dir, use_vllm=True, vllm_tensor_parallel_size=tp, bf16=True, use_cpu=True,
+                    population_size=4, sigma=0.02, learning_rate=0.02, per_device_train_batch_size=8,
+                    max_completion_length=6, max_steps=2, generation_kwargs={"do_sample": False}, save_strategy="no",
+                    report_to="none", disable_tqdm=True, seed=0)  # fmt: skip
+    trainer = ESTrainer(model_dir, reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    weights, rank = trainer.weights, trainer.accelerator.process_index
+    weights.start()
+    weights.capture()
+    worker = trainer.generation.engine.llm.llm_engine.model_executor.driver_worker.worker._es_weights
+    result = {"sharded": sorted(worker.regions), "members_equal": [], "in_place": weights.members_in_place}
+    for seed in (5, 77):
+        weights.member(seed, 0.02)
+        weights.local.member(seed, 0.02)  # the trainer's float32 member
+        held = {n: worker.regions[n].cut(p) if n in worker.regions else p for n, p in weights.params.items()}
+        result["members_equal"].append(
+            all(torch.equal(p.detach().bfloat16(), worker.params[n]) for n, p in held.items())
+        )
+        weights.center()
+        weights.local.center()
+    weights.release()
+    trainer.train()
+    trainer.save_model()
+    result["weights"] = weights_hash(dict(trainer.model.named_parameters()))
+    Path(out_dir, f"result-rank{rank}.json").write_text(json.dumps(result))
+    return result
+
+
 def guard_runs(
     models: Path, vllm: bool = False, scenarios=tuple(regression_guard.SCENARIOS), tp: int = 1
 ) -> list[dict]:
@@ -170,6 +205,8 @@ def main(out_dir: str, runs: list[dict]) -> bool:
             extra = {"use_vllm": True, "vllm_tensor_parallel_size": tp} if run.get("vllm") else {}
             key = run["guard"] if tp == 1 else f"{run['guard']}@tp{tp}"
             hashes[key] = regression_guard.run(run["guard"], Path(run["models"]), out / f"guard-tp{tp}", **extra)
+        elif "tp_members" in run:
+            tensor_parallel_members(run["model"], str(out / run["name"]), run["tp_members"])
         else:
             folder = out / run["name"]
             folder.mkdir(parents=True, exist_ok=True)

@@ -54,7 +54,9 @@ SCENARIOS = {
 SAME = [("full", "resume"), ("lowrank_sampled", "lowrank_sampled_per_call_2")]
 """Scenarios that must end with the same weights in any environment: a resumed run and an uninterrupted one; a
 sampled population whatever the number of members per generate call."""
-VLLM_SCENARIOS = ("full", "copes", "lowrank", "adapter")
+VLLM_SCENARIOS = ("full", "copes")
+"""Through a colocated engine per process (2 processes dealing the members: tests/distributed/test_regression_guard.py);
+low-rank and adapter members go through a tensor-parallel engine there (its `TP_SCENARIOS`)."""
 
 
 def reward(completions, **kwargs):
