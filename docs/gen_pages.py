@@ -266,9 +266,15 @@ def cli_page() -> str:
 # ---- Pages from the README and the changelog ----------------------------------------------------------------------
 
 
+README_LINKS = {"](docs/": "](", "](CHANGELOG.md": "](changelog.md"}
+"""The README's links into the repository, as links of the site."""
+
+
 def readme_sections() -> tuple[str, dict[str, str]]:
-    """The README with its links into docs/ made site links: (its text, {section title: section})."""
-    text = re.sub(r"\]\(docs/", "](", (ROOT / "README.md").read_text())
+    """The README with its links made site links: (its text, {section title: section})."""
+    text = (ROOT / "README.md").read_text()
+    for link, page in README_LINKS.items():
+        text = text.replace(link, page)
     parts = re.split(r"^## ", text, flags=re.MULTILINE)
     return text, {part.split("\n", 1)[0]: "## " + part for part in parts[1:]}
 
