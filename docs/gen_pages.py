@@ -105,9 +105,15 @@ def type_name(annotation) -> str:
     return str(annotation).replace("typing.", "").replace("transformers.training_args.", "")
 
 
+def code(text: str) -> str:
+    """`text` as a code span in one cell of a Markdown table."""
+    return cell(f"`{text}`")
+
+
 def cell(text: str) -> str:
-    """`text` as one cell of a Markdown table."""
-    return " ".join(str(text).split()).replace("|", "\\|")
+    """`text` as one cell of a Markdown table: one line, its pipes escaped outside code spans (which keep theirs)."""
+    parts = " ".join(str(text).split()).split("`")
+    return "`".join(part if i % 2 else part.replace("|", "\\|") for i, part in enumerate(parts))
 
 
 def grpo_meanings() -> dict[str, str]:
@@ -189,7 +195,7 @@ def config_page() -> str:
     for name in GRPO_ONLY_FIELDS:
         f = ESConfig.__dataclass_fields__[name]
         lines.append(
-            f'| <span id="ESConfig.{name}"></span>`{name}` | `{cell(type_name(f.type))}` | `{cell(repr(default_of(f)))}` '
+            f'| <span id="ESConfig.{name}"></span>`{name}` | {code(type_name(f.type))} | {code(repr(default_of(f)))} '
             f"| {cell(f.metadata['help'])} |"
         )
     own = set(GRPO_ONLY_FIELDS) | {f.name for f in fields(ESConfig) if "group" in f.metadata}
@@ -198,19 +204,19 @@ def config_page() -> str:
         "## TrainingArguments fields",
         "",
         "Inherited from transformers' `TrainingArguments` with their meaning there (the help below is the installed "
-        "transformers'); where the meaning or default differs for ES, the last column says so.",
+        "transformers'); where the meaning or default differs for ES, the help says so after **For ES**.",
         "",
-        "| field | type | default | help | for ES |",
-        "|---|---|---|---|---|",
+        "| field | type | default | help |",
+        "|---|---|---|---|",
     ]
     for f in fields(ESConfig):
         if f.name not in own:
             default = default_of(f)
             note = against_grpo(f.name, default, grpo_fields, meanings)
-            note = "" if note.startswith("As in GRPOConfig") else note
+            note = "" if note.startswith("As in GRPOConfig") else f" **For ES:** {note}"
             lines.append(
-                f'| <span id="ESConfig.{f.name}"></span>`{f.name}` | `{cell(type_name(f.type))}` | '
-                f"`{cell(repr(default))}` | {cell(f.metadata.get('help', ''))} | {cell(note)} |"
+                f'| <span id="ESConfig.{f.name}"></span>`{f.name}` | {code(type_name(f.type))} | '
+                f"{code(repr(default))} | {cell(f.metadata.get('help', '') + note)} |"
             )
     return "\n".join(lines) + "\n"
 
