@@ -96,10 +96,12 @@ def api_page(title: str, intro: str, paths: list[str]) -> str:
 
 
 def default_of(f):
+    """A dataclass field's default value."""
     return f.default_factory() if f.default is MISSING else f.default
 
 
 def type_name(annotation) -> str:
+    """An annotation as written in code: `int`, `str | None`."""
     if isinstance(annotation, type):
         return annotation.__name__
     return str(annotation).replace("typing.", "").replace("transformers.training_args.", "")
@@ -131,7 +133,7 @@ def grpo_meanings() -> dict[str, str]:
     return meanings
 
 
-MEANINGS = "../migrating_from_grpo.md"
+MIGRATING = "../migrating_from_grpo.md"
 
 
 def against_grpo(name: str, default, grpo_fields: dict, meanings: dict[str, str]) -> str:
@@ -142,7 +144,7 @@ def against_grpo(name: str, default, grpo_fields: dict, meanings: dict[str, str]
         return "ES only: GRPOConfig has no such field."
     notes = []
     if name in meanings:
-        notes.append(f"In GRPOConfig: {meanings[name]} ([migrating]({MEANINGS}#fields-with-a-different-meaning)).")
+        notes.append(f"In GRPOConfig: {meanings[name]} ([migrating]({MIGRATING}#fields-with-a-different-meaning)).")
     grpo_default = default_of(grpo_fields[name])
     if name in DEFAULTS_UNLIKE_GRPO or grpo_default != default:
         why = DEFAULTS_UNLIKE_GRPO.get(name)
@@ -187,7 +189,7 @@ def config_page() -> str:
         "## GRPOConfig fields ES accepts for recipes",
         "",
         "Accepted so that any GRPO recipe runs unchanged; a value away from GRPO's default is named in one warning "
-        "(ignored) or refused with the reason ([migrating](../migrating_from_grpo.md)).",
+        f"(ignored) or refused with the reason ([migrating]({MIGRATING})).",
         "",
         "| field | type | default (GRPOConfig's) | for ES |",
         "|---|---|---|---|",
@@ -225,27 +227,24 @@ def config_page() -> str:
 
 
 def command_help(argv: list[str]) -> str:
-    """What `trl-es ARGV` prints, run in this process (argparse at 110 columns)."""
+    """What `trl-es ARGV` prints, run in this process."""
     from trl_es import cli
 
-    out, columns = io.StringIO(), os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = "110"
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-            try:
-                code = cli.main(argv)
-            except SystemExit as exit_:
-                code = exit_.code
-    finally:
-        os.environ.pop("COLUMNS") if columns is None else os.environ.__setitem__("COLUMNS", columns)
-    if code not in (0, None) or not out.getvalue().strip():
-        raise RuntimeError(f"`trl-es {' '.join(argv)}` printed no help (exit status {code})")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            status = cli.main(argv)
+        except SystemExit as exit_:
+            status = exit_.code
+    if status not in (0, None) or not out.getvalue().strip():
+        raise RuntimeError(f"`trl-es {' '.join(argv)}` printed no help (exit status {status})")
     return out.getvalue().rstrip()
 
 
 def cli_page() -> str:
     from trl_es import cli
 
+    os.environ["COLUMNS"] = "110"  # argparse's width, whatever the terminal the build runs in
     lines = [
         "# Command line",
         "",
