@@ -343,7 +343,7 @@ def adapters(out: Path) -> dict:
     with vl.weights.members([(seed, 0.02, None)]):
         local.member(seed, 0.02)
         inside = extension(vl)
-        a_name, b_name, scaling, a_stacked, b_stacked = inside._es_pairs[0]
+        a_name, b_name, scaling, a_stacked, b_stacked, _ = inside._es_pairs[0]
         rank, slot = vl.es_params[a_name].shape[0], inside._es_slots[1]
         results["member_slot_equal"] = torch.equal(a_stacked[slot, 0, :rank], vl.es_params[a_name].detach()) and (
             torch.equal(b_stacked[slot, 0, :, :rank], vl.es_params[b_name].detach() * scaling)
