@@ -3,10 +3,12 @@ processes, weight comparisons, the rewards the tiny models are trained on. Impor
 path; launched scripts get it through PYTHONPATH)."""
 
 import contextlib
+import dataclasses
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -86,6 +88,49 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Finished:
+    """A launcher that ended: its exit status, output and when it ended (`time.monotonic()`)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    ended: float
+
+
+def two_machines(commands: list[list[str]], envs: list[dict], cwd=None, timeout=600) -> list[Finished]:
+    """Two launchers started at once, as two machines would (machine 0's command and environment first, each
+    `accelerate launch … --num_machines 2 --machine_rank r` or a node script); each one's `Finished`."""
+    base = {**os.environ, "PYTHONPATH": os.pathsep.join((str(TESTS), str(REPOSITORY)))}
+    launchers = [
+        subprocess.Popen(
+            command, cwd=cwd, env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for command, env in zip(commands, envs, strict=True)
+    ]
+    ended, deadline = {}, time.monotonic() + timeout
+    while len(ended) < len(launchers) and time.monotonic() < deadline:
+        for k, launcher in enumerate(launchers):
+            if k not in ended and launcher.poll() is not None:
+                ended[k] = time.monotonic()
+        time.sleep(0.2)
+    finished = []
+    for k, launcher in enumerate(launchers):
+        if k not in ended:  # past the timeout: stopped, reported as it ended
+            launcher.kill()
+        stdout, stderr = launcher.communicate()
+        finished.append(Finished(launcher.returncode, stdout, stderr, ended.get(k, time.monotonic())))
+    return finished
+
+
+def machine_launch(machine: int, port: int, *command: str, backend=("--multi_gpu",)) -> list[str]:
+    """`accelerate launch` of one process on machine `machine` of 2 (`two_machines`), the main process at
+    127.0.0.1:`port`."""
+    return [sys.executable, "-m", "accelerate.commands.launch", *backend, "--num_processes", "2", "--num_machines", "2",
+            "--machine_rank", str(machine), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+            "--mixed_precision", "no", "--dynamo_backend", "no", *command]  # fmt: skip
 
 
 def accelerate_launch(num_processes: int, *command: str, backend=("--multi_gpu",), cwd=None, env=None, timeout=600):

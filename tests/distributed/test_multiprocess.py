@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPOSITORY, TESTS, free_port
-from multiprocess_es import launch
+from helpers import REPOSITORY, TESTS, free_port, machine_launch, two_machines
+from multiprocess_es import guard_runs, launch, rank_hashes
 from transformers import AutoModelForCausalLM
 
 from trl_es.cli import main as cli
@@ -206,38 +206,69 @@ def test_a_reward_error_on_one_process_stops_every_process_with_weights_restored
     assert runs[0]["restored"] and runs[1]["restored"]  # θ as at the start of the failed step, bitwise
 
 
+def run_on_two_machines(out_dir: Path, runs: list[dict], backend=("--multi_gpu",), env=None) -> list:
+    """The harness on two "machines" of one process each: two `accelerate launch` at once with `--num_machines 2`
+    and machine ranks 0 and 1 (what each machine of a cluster runs, here both on 127.0.0.1); each launcher's
+    `Finished`, machine 0's first."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port, script = free_port(), str(Path(__file__).with_name("multiprocess_es.py"))
+    commands = [machine_launch(m, port, script, str(out_dir), json.dumps(runs), backend=backend) for m in (0, 1)]
+    return two_machines(commands, [env or {}] * 2, timeout=900)
+
+
 @pytest.fixture(scope="module")
-def killed(tmp_path_factory, model_dir) -> Path:
-    """A run whose process 1 kills itself at step 1 (after checkpoint-1), then one launch that resumes it to the end
-    and, last, a run whose process 1 hangs past ddp_timeout."""
+def killed(tmp_path_factory, model_dir, guard_models) -> Path:
+    """Two machines of one process each: a run whose process on machine 1 kills itself at step 1 (after
+    checkpoint-1); then both machines relaunched: the run resumed to its end, the regression guard's default and
+    low-rank scenarios, and last a run whose process 1 hangs past ddp_timeout."""
     out = tmp_path_factory.mktemp("killed")
-    save = {"save_strategy": "steps", "save_steps": 1}
-    killed = run_script(out, [{"name": "killed", "model": model_dir, "overrides": save, "fault": "kill"}])
-    assert killed.returncode != 0 and "SIGKILL" in killed.stderr
+    save = {"save_strategy": "steps", "save_steps": 1, "ddp_timeout": 120}
+    first, second = run_on_two_machines(
+        out, [{"name": "killed", "model": model_dir, "overrides": save, "fault": "kill"}]
+    )
+    assert second.returncode != 0 and "SIGKILL" in second.stderr
+    assert first.returncode != 0, first.stderr[-3000:]
+    (out / "stopped_after.txt").write_text(str(first.ended - second.ended))  # machine 0 after machine 1 ended
     checkpoint = out / "killed" / "checkpoint-1"
     assert sorted(p.name for p in (out / "killed").glob("checkpoint-*")) == ["checkpoint-1"]
     AutoModelForCausalLM.from_pretrained(checkpoint)  # loadable
     runs = [
         {"name": "resumed", "model": model_dir, "overrides": {"resume_from_checkpoint": str(checkpoint)}},
+        *guard_runs(guard_models, scenarios=("full", "lowrank")),
         {"name": "hung", "model": model_dir, "overrides": {"ddp_timeout": 5}, "fault": "hang"},  # process 1 sleeps
     ]
-    resumed = run_script(out, runs)
-    assert resumed.returncode != 0 and (out / "hung" / "result-rank0.json").is_file(), resumed.stderr[-3000:]
+    first, second = run_on_two_machines(out, runs)
+    assert first.returncode != 0 and (out / "hung" / "result-rank0.json").is_file(), first.stderr[-3000:]
     return out
 
 
-def test_a_killed_process_leaves_a_loadable_checkpoint_and_resume_with_two_processes(killed, one_process):
+def test_a_process_killed_on_one_machine_stops_the_other_naming_it_and_the_relaunch_resumes(killed, one_process):
+    """Machine 1's process is killed mid-step: machine 0's process stops within seconds (not ddp_timeout), its error
+    naming process 1 and its weights restored; checkpoint-1 loads, and both machines relaunched from it end on the
+    1-process weights bitwise."""
+    stopped = results(killed / "killed")[0]
+    assert "process(es) [1] did not answer" in stopped["error"] and stopped["restored"]
+    assert float((killed / "stopped_after.txt").read_text()) < 60  # ddp_timeout is 120 s
     for rank in (0, 1):
         assert_equal_weights(rank_weights(killed / "resumed", rank), rank_weights(one_process / "logged", 0))
+
+
+def test_two_machines_give_the_one_process_weights(killed, one_process):
+    """Two launchers as two machines (--num_machines 2, machine ranks 0 and 1): the regression guard's default and
+    low-rank scenarios end on the 1-process weights bitwise, on both machines."""
+    hashes = rank_hashes(killed)
+    reference = json.loads((one_process / "hashes-rank0.json").read_text())
+    assert hashes == {scenario: reference[scenario] for scenario in ("full", "lowrank")}
 
 
 def test_a_hung_process_gives_a_timeout_error_naming_the_rank(killed):
     run = results(killed / "hung")[0]
     assert "process 0 of 2 gave up waiting" in run["error"] and "ddp_timeout=5" in run["error"]
+    assert "process(es) [1] did not answer" in run["error"]
     assert run["restored"]
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [3])  # ZeRO-2: over two machines, from the SLURM example (below)
 def test_deepspeed_zero_two_processes_give_the_one_process_weights(tmp_path, model_dir, one_process, stage):
     zero = ("--config_file", str(CONFIGS / f"deepspeed_zero{stage}.yaml"))  # the shipped examples
     runs = [{"name": "zero", "model": model_dir, "overrides": {"save_strategy": "steps", "save_steps": 2}}]
@@ -290,3 +321,34 @@ def test_fsdp2_two_processes_give_the_one_process_weights(tmp_path, model_dir, o
     expected = rank_weights(one_process / "logged", 0)
     for rank in (0, 1):
         assert_equal_weights(rank_weights(tmp_path / "fsdp", rank), expected)
+
+
+def test_the_slurm_example_runs_deepspeed_zero2_over_two_nodes(tmp_path, model_dir, one_process):
+    """examples/slurm/es_node.sh, as `srun` starts it on each of 2 nodes (SLURM's variables set for node 0 and node
+    1, `scontrol` answering the node list: a stand-in for the SLURM controller, which this host has not), with the
+    DeepSpeed ZeRO-2 config through Accelerate's multi-node DeepSpeed launcher: the recipe ends on the 1-process
+    weights bitwise."""
+    write_recipe(tmp_path, model_dir)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/sh\n[ "$1 $2 $3" = "show hostnames node[1-2]" ] && printf "127.0.0.1\\nlocalhost\\n"\n'
+    )
+    (bin_dir / "scontrol").chmod(0o755)
+    node = {
+        "PATH": os.pathsep.join((str(bin_dir), str(Path(sys.executable).parent), os.environ["PATH"])),
+        "PYTHONPATH": os.pathsep.join(map(str, (TESTS, Path(__file__).parent, REPOSITORY))),
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_NNODES": "2",
+        "PROCESSES_PER_NODE": "1",
+        "MAIN_PORT": str(free_port()),
+        "RECIPE": str(tmp_path / "recipe.yaml"),
+        "ACCELERATE_CONFIG": str(CONFIGS / "deepspeed_zero2.yaml"),
+        "DS_ACCELERATOR": "cpu",
+        "TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR", str(EXTENSIONS)),
+    }
+    script = ["bash", str(REPOSITORY / "examples" / "slurm" / "es_node.sh")]
+    nodes = two_machines([script, script], [{**node, "SLURM_NODEID": str(n)} for n in (0, 1)], cwd=tmp_path)
+    assert [n.returncode for n in nodes] == [0, 0], nodes[0].stderr[-3000:] + nodes[1].stderr[-3000:]
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "cli-out")
+    assert_equal_weights(dict(saved.named_parameters()), rank_weights(one_process / "logged", 0))

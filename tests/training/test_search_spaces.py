@@ -186,6 +186,46 @@ def test_sampled_lowrank_completions_do_not_depend_on_which_members_share_a_call
         assert all(torch.equal(other[name], p) for name, p in reference.items()), per_call
 
 
+@pytest.mark.slow  # ~N/512 generate calls a step; the fast suite keeps the per-call scenario above
+def test_a_population_of_thousands_runs_in_bounded_calls_resumes_and_replays_bitwise(tmp_path, tiny_model_dir):
+    """2,048 rank-1 low-rank members: by default a step's generate calls hold at most ROWS_PER_CALL rows (so memory
+    stays that of one call, not of the population: benchmarks/population_scale.py measures it), the update sums
+    the seeds in parts of SEEDS_PER_MATMUL, a run resumed from its checkpoint ends on the uninterrupted weights and
+    the seed chain replays them, bitwise."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+
+    from trl_es.chains import load_chain, replay
+    from trl_es.es.lowrank import ROWS_PER_CALL, SEEDS_PER_MATMUL
+
+    n, data = 2048, Dataset.from_dict({"prompt": ["Count to 3:"] * 2})
+    assert n > SEEDS_PER_MATMUL
+
+    def trainer(name, **overrides):
+        args = config(tmp_path / name, es_search_space="lowrank", population_size=n, per_device_train_batch_size=2,
+                      num_generations=1, max_completion_length=1, generation_kwargs={"do_sample": False},
+                      **overrides)  # fmt: skip
+        return ESTrainer(tiny_model_dir, upper_vocab_share, args=args, train_dataset=data)
+
+    full, calls = trainer("full", save_strategy="steps", save_steps=1), []
+    generate_ids = full.generation.generate_ids
+    full.generation.generate_ids = lambda rows, *args, **kwargs: (
+        calls.append(len(rows)) or generate_ids(rows, *args, **kwargs)
+    )
+    full.train()
+    assert max(calls) <= ROWS_PER_CALL and sum(calls) == 2 * n * 2  # 2 steps × N members × 2 prompts
+    full.save_model()
+    final = {name: p.detach().clone() for name, p in full.model.named_parameters()}
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert any(not torch.equal(p, start[name]) for name, p in final.items())
+    resumed = trainer("resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "out" / "checkpoint-1"))
+    assert all(torch.equal(p, final[name]) for name, p in resumed.model.named_parameters())
+    replay(load_chain(str(tmp_path / "full" / "out")), tiny_model_dir, str(tmp_path / "replayed"))
+    replayed = AutoModelForCausalLM.from_pretrained(tmp_path / "replayed")
+    assert all(torch.equal(p, final[name]) for name, p in replayed.named_parameters())
+
+
 @pytest.fixture(scope="module")
 def merge_parts(tmp_path_factory, tiny_model_dir):
     """Two fine-tuned versions of the tiny model: one trained by ES toward upper_vocab_share, one random drift."""

@@ -210,6 +210,21 @@ def test_server_mode(engines):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+def test_one_trainer_drives_two_servers_and_a_lost_server_is_named(engines):
+    """vllm_server_base_url with two servers: a member on each at once (each server building it from its seed), the
+    one-server run's rewards and final weights bitwise; a server killed mid-run stops training with an error naming
+    it, the trainer and the surviving server holding θ as at the start of the failed step."""
+    results = scenario(engines, "server")
+    assert results["servers_members_per_call"] == 2
+    assert results["servers_rewards"] == results["hf_rewards"] and results["servers_same_final_weights"]
+    second = f"http://127.0.0.1:{results['second_port']}"
+    assert f"the vLLM server at {second} stopped answering" in results["lost_server_error"]
+    assert results["lost_server_steps"] == 1
+    assert results["lost_server_trainer_restored"] and results["lost_server_first_holds_theta"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
 def test_vllm_out_of_memory_names_the_setting(engines):
     error = scenario(engines, "oom")["error"]
     assert "vllm_gpu_memory_utilization" in error and "vllm_max_model_length" in error

@@ -525,21 +525,22 @@ def vlm(out: Path) -> dict:
 SERVER_TOKEN = "scenario-token"
 
 
-def start_server(out: Path) -> tuple[subprocess.Popen, int]:
-    """`trl-es vllm-serve` on the server scenario's model (`out/model`), with its token; started before the other
-    scenarios so that its ~30 s start overlaps them. Returns the process and its port."""
-    model_dir = build_tiny_model(out / "model", sys.argv[3], **VLLM_MODEL)
-    port = 8000 + os.getpid() % 1000
+def start_server(out: Path, port: int) -> subprocess.Popen:
+    """`trl-es vllm-serve` on the server scenario's model (`out/model`) at `port`, with its token; started before the
+    other scenarios so that its ~30 s start overlaps them."""
+    model_dir = str(out / "model")
+    if not (out / "model").is_dir():
+        build_tiny_model(out / "model", sys.argv[3], **VLLM_MODEL)
     command = [sys.executable, "-m", "trl_es.cli", "vllm-serve", "--model", model_dir, "--port", str(port), "--dtype",
                "float32", "--enforce-eager", "--max-model-len", "128"]  # fmt: skip
-    with open(out / "server.log", "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "TRL_ES_VLLM_TOKEN": SERVER_TOKEN})  # fmt: skip
-    return process, port
+    with open(out / f"server-{port}.log", "w") as log:
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "TRL_ES_VLLM_TOKEN": SERVER_TOKEN})  # fmt: skip
 
 
-def server(out: Path, port: int) -> dict:
-    """The trainer in this process against `start_server`'s server on `port`."""
+def server(out: Path, port: int, second: subprocess.Popen, second_port: int) -> dict:
+    """The trainer in this process against `start_server`'s server on `port`; then against it and the `second` one
+    (on `second_port`) as one engine, until the second is killed mid-run."""
     model_dir = str(out / "model")
     other_dir = build_tiny_model(out / "other", sys.argv[3], seed=1, **VLLM_MODEL)
     results = {}
@@ -568,6 +569,47 @@ def server(out: Path, port: int) -> dict:
     except ValueError as error:
         results["other_model_error"] = str(error)
     results.update(server_attacks(out, model_dir, f"http://127.0.0.1:{port}", token, server_args))
+    results.update(two_servers(out, model_dir, hf, server_args, f"http://127.0.0.1:{second_port}", second))
+    return results
+
+
+def two_servers(out: Path, model_dir: str, hf, server_args: dict, second_url: str, second) -> dict:
+    """One trainer driving the scenario's server and a second one (`vllm_server_base_url` with both): a greedy run,
+    then a run during which the second server is killed after step 1."""
+    from transformers import TrainerCallback
+
+    from trl_es import ESTrainer
+
+    first_url = f"http://127.0.0.1:{server_args['vllm_server_port']}"
+    both = {**server_args, "vllm_server_base_url": f"{first_url},{second_url}"}
+    fleet, rewards, _ = run(out, model_dir, "servers", **both)
+    results = {
+        "servers_rewards": rewards,
+        "servers_same_final_weights": fingerprint(hf.model) == fingerprint(fleet.model),
+    }
+    results["servers_members_per_call"] = fleet.space.members_per_call(8)
+    results["second_port"] = int(second_url.rsplit(":", 1)[1])
+
+    class KillSecondAfterStep1(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 1:
+                self.theta = fingerprint(model)
+                second.kill()
+                second.wait(60)
+
+    killer = KillSecondAfterStep1()
+    args = es_config(out / "servers-lost", generation_kwargs={"do_sample": False}, per_device_train_batch_size=8,
+                     max_steps=3, **both)  # fmt: skip
+    trainer = ESTrainer(model_dir, reward, args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                        callbacks=[killer])  # fmt: skip
+    try:
+        trainer.train()
+    except ConnectionError as error:
+        results["lost_server_error"] = str(error)
+    results["lost_server_steps"] = trainer.state.global_step
+    results["lost_server_trainer_restored"] = fingerprint(trainer.model) == killer.theta
+    first = trainer.weights.engine.servers[0].rpc("es_fingerprint", {})[0]["fingerprint"]
+    results["lost_server_first_holds_theta"] = first == killer.theta
     return results
 
 
@@ -691,11 +733,12 @@ if __name__ == "__main__":
     scenarios, out = sys.argv[1].split(","), Path(sys.argv[2])
     functions = {"colocate": colocate, "lowrank": lowrank, "adapters": adapters, "moe": moe, "server": server,
                  "oom": oom, "vlm": vlm, "evaluation": evaluation}  # fmt: skip
-    results, arguments, serving = {}, dict.fromkeys(scenarios, ()), None
+    results, arguments, serving = {}, dict.fromkeys(scenarios, ()), []
     if "server" in scenarios:
         (out / "server").mkdir()
-        serving, port = start_server(out / "server")
-        arguments["server"] = (port,)
+        port = 8000 + os.getpid() % 1000
+        serving = [start_server(out / "server", port), start_server(out / "server", port + 1)]
+        arguments["server"] = (port, serving[1], port + 1)
     try:
         for name in scenarios:  # one after the other in this process: vLLM is imported once
             (out / name).mkdir(exist_ok=True)
@@ -704,7 +747,7 @@ if __name__ == "__main__":
             except Exception:  # the later scenarios still run; the tests of this one fail with its traceback
                 results[name] = {"failed": traceback.format_exc()}
     finally:
-        if serving is not None:
-            serving.terminate()
-            serving.wait(60)
+        for process in serving:
+            process.terminate()
+            process.wait(60)
     (out / "results.json").write_text(json.dumps(results, indent=1))

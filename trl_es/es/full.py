@@ -37,7 +37,7 @@ class FullSpace(SearchSpace):
     ):
         self.weights, self.seed, self.population_size = weights, seed, population_size
         self.antithetic, self.weight_decay, self.groups, self.gradient = antithetic, weight_decay, groups, gradient
-        self.batched = getattr(weights, "batches_members", False)  # an engine's LoRA slots: many members a call
+        self.batched = weights.batches_members  # an engine's LoRA slots, or several servers: many members a call
 
     @classmethod
     def from_config(cls, args, model, weights, load_model=None) -> FullSpace:
@@ -62,12 +62,12 @@ class FullSpace(SearchSpace):
         return member.sigma if self.groups is None else member.sigma * len(self.groups) ** 0.5
 
     def members_per_call(self, n_local: int) -> int:
-        return (n_local or 1) if self.batched else 1
+        return min(n_local or 1, self.weights.member_slots) if self.batched else 1
 
     @contextlib.contextmanager
     def evaluating(self, members: list[Direction | None]):
         """One member at a time, written into the weights backend; with a backend that `batches_members` (an
-        adapter's members in vLLM's LoRA slots), all of `members` at once (`members`)."""
+        adapter's members in vLLM's LoRA slots, a member per server), all of `members` at once (`members`)."""
         if self.batched:
             names = lambda m: None if m.group is None else self.groups[m.group]  # noqa: E731
             slots = [

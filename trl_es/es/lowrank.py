@@ -63,6 +63,27 @@ def lowrank_factors(
     return a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype)
 
 
+ROWS_PER_CALL = 512
+"""Rows (members × prompts × generations) of one batched generate call when `lowrank_members_per_call` is unset:
+the population in as few calls as keep each within this, so a population of thousands costs the memory of 512 rows,
+not of all of its rows (N = 1,024 rank-1 members of a tiny model in one call of 2,048 rows peaked 1.1 GB above the
+loaded model; in calls of 32 members, no higher than N = 32)."""
+SEEDS_PER_MATMUL = 1024
+"""Seeds of one matmul of the low-rank update (`lowrank_delta`): a population of thousands is summed in parts, so
+its factors never sit in memory all at once."""
+
+
+def members_per_call(args) -> int:
+    """Members (the centre counted) per batched generate call, for ESConfig `args`: `lowrank_members_per_call`, or
+    the step's evaluations while their rows fit in `ROWS_PER_CALL` (at least one). With use_vllm, the engine's
+    LoRA slots."""
+    if args.lowrank_members_per_call:
+        return args.lowrank_members_per_call
+    slots = args.population_size + (args.es_baseline == "center")
+    rows = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_generations
+    return max(1, min(slots, ROWS_PER_CALL // rows))
+
+
 FUSED_EXPERTS = ("gate_up_proj", "down_proj")
 """The fused expert tensors of transformers' experts modules (E × 2I × H and E × H × I)."""
 
@@ -312,9 +333,13 @@ def lowrank_delta(name: str, weight: torch.Tensor, coefficients: dict[int, float
     over the experts of a fused expert tensor). With `region` (`trl_es.es.noise.Region`: `weight` is that shard of
     the parameter), the whole parameter's delta cut to it, so each element is the whole one's bitwise."""
     shape = weight.shape if region is None else region.shape
-    factors = [lowrank_factors(seed, name, shape, rank, device=weight.device) for seed in coefficients]
-    scaled = [a * (c / math.sqrt(rank)) for (a, _), c in zip(factors, coefficients.values(), strict=True)]
-    delta = torch.cat(scaled, dim=-1) @ torch.cat([b for _, b in factors], dim=-1).transpose(-1, -2)
+    seeds, delta = list(coefficients.items()), None
+    for start in range(0, len(seeds), SEEDS_PER_MATMUL):  # more seeds than SEEDS_PER_MATMUL: summed part by part
+        part = seeds[start : start + SEEDS_PER_MATMUL]
+        factors = [lowrank_factors(seed, name, shape, rank, device=weight.device) for seed, _ in part]
+        scaled = [a * (c / math.sqrt(rank)) for (a, _), (_, c) in zip(factors, part, strict=True)]
+        product = torch.cat(scaled, dim=-1) @ torch.cat([b for _, b in factors], dim=-1).transpose(-1, -2)
+        delta = product if delta is None else delta.add_(product)
     return delta if region is None else region.cut(delta)
 
 
@@ -357,7 +382,7 @@ class LowRankSpace(SearchSpace):
     weights are never written for a member): by a `LowRankPopulation` on the trainer's model, or with
     `use_vllm` by vLLM's LoRA adapters, one per member (`adapters`: an `AdapterWeights` backend, whose `lowrank_members`
     writes them; `trl_es.generation.vllm_worker`). `members_per_call` members share one batched generate call
-    (default: all of this process's). Update: `apply_lowrank_update` on the targets' weights, which are the trainer's
+    (ESConfig: `members_per_call(args)`; None: all of this process's). Update: `apply_lowrank_update` on the targets' weights, which are the trainer's
     own tensors (`weights.params`: written in place, undone by `restore`), and the same update inside vLLM."""
 
     name = "lowrank"
@@ -423,13 +448,13 @@ class LowRankSpace(SearchSpace):
         common = (args.seed, args.population_size, args.lowrank_rank, args.antithetic)
         targets = lowrank_targets(model, weights.params)
         adapters = weights if isinstance(weights, AdapterWeights) else None  # vLLM's LoRA slots
-        return cls(weights, targets, *common, args.lowrank_members_per_call, args.es_optimizer, adapters)
+        return cls(weights, targets, *common, members_per_call(args), args.es_optimizer, adapters)
 
     def _ask(self, step: int, sigma: float) -> list[Direction]:
         return directions(self.seed, step, self.population_size, self.antithetic, sigma)
 
     def members_per_call(self, n_local: int) -> int:
-        return self.per_call or n_local or 1
+        return min(self.per_call, n_local) if self.per_call else n_local or 1
 
     @contextlib.contextmanager
     def evaluating(self, members: list[Direction | None]):

@@ -37,7 +37,9 @@ class WeightsBackend(Protocol):
     params: dict[str, torch.nn.Parameter]
     batches_members: bool
     """Whether the engine evaluates several full-ES members in one call (`members(...)`, a context giving the rows'
-    route): vLLM's LoRA slots holding an adapter's members."""
+    route): vLLM's LoRA slots holding an adapter's members, or several vLLM servers holding one member each."""
+    member_slots: int
+    """With `batches_members`, how many members one call can hold."""
 
     def start(self) -> None:
         """Be ready to generate with θ (vLLM: receive it, once)."""
@@ -117,7 +119,7 @@ class LocalWeights:
     ):
         self.params, self.seed, self.table_size, self.storage_device = params, seed, table_size, storage_device
         self.master, self.regions = master, regions or {}
-        self.batches_members = False  # one member at a time, in the tensors themselves
+        self.batches_members, self.member_slots = False, 1  # one member at a time, in the tensors themselves
         self.snapshot: ParameterSnapshot | None = None
         self.table: NoiseTable | None = None
         self.changed: set[str] = set()  # names holding a member's values rather than θ

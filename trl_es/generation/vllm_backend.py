@@ -33,7 +33,7 @@ from ..es.weights import LocalWeights, weights_hash
 from ..util.compat import is_peft_model
 from ..util.models import is_quantized_model, quantization_name
 from .base import Generation, compute_dtype
-from .vllm_engine import LORA_RANKS, Colocated, Server, lora_settings
+from .vllm_engine import LORA_RANKS, Colocated, Server, Servers, lora_settings, server_urls
 
 
 def sampling_settings(generation_config: GenerationConfig, eos_token_ids: list[int], extra: dict) -> dict:
@@ -72,8 +72,9 @@ def start_engine(model, tokenizer, args, accelerator, params) -> Colocated | Ser
             "es_search_space='full' (members are written into vLLM's experts), use_vllm=False, or "
             "es_parameter_patterns that leave the experts out"
         )
-    if args.vllm_mode == "server":
-        return Server(args)
+    if args.vllm_mode == "server":  # this process drives every K-th of the servers (`check_setup`: one at least)
+        urls = server_urls(args)[accelerator.process_index :: accelerator.num_processes]
+        return Server(args, urls[0]) if len(urls) == 1 else Servers(args, urls)
     if is_peft_model(model):
         modules = adapter_modules(model, params)
         rank = max(int(p.shape[0]) for name, p in params.items() if ".lora_A." in name)
@@ -260,9 +261,11 @@ class VLLMWeights:
         self.adapter_slots = lora_settings(args, self.lowrank_names)["max_loras"] if self.lowrank_names else 0
         # an adapter's members: LoRA slots 1.. (the population and the centre, in one call), its θ in slot 0
         self.adapter = adapter_modules(generation.model, local.params) if is_peft_model(generation.model) else None
-        self.batches_members = self.adapter is not None
+        # several full-ES members in one call: an adapter's in LoRA slots 1.., or one member per server
+        self.batches_members = self.adapter is not None or isinstance(self.engine, Servers)
         if self.adapter is not None:
             self.adapter_slots = args.population_size + 1
+        self.member_slots = len(self.engine.servers) if isinstance(self.engine, Servers) else self.adapter_slots
 
     def start(self) -> None:
         """Give vLLM θ (colocate: the trainer's tensors; server: the files of the checkpoint when resuming, else of
@@ -281,7 +284,7 @@ class VLLMWeights:
         if self.adapter is not None:
             self._start_adapter(payload)
             return
-        if isinstance(self.engine, Server):
+        if not isinstance(self.engine, Colocated):  # a server reads θ from its files
             results = self.engine.rpc("es_init", payload)
         else:
             results = self.engine.rpc("es_init", payload, [(n, p.detach()) for n, p in model.named_parameters()])
@@ -368,14 +371,14 @@ class VLLMWeights:
         self._mirror(norm, payload | {"rank": rank})
 
     def _mirror(self, norm: float, payload: dict) -> None:
-        """vLLM applies the update of `payload` (`es_update`), checked against the trainer's norm `norm`."""
-        vllm_norm = self._changed("es_update", payload)[0]["update_norm"]
-        if abs(vllm_norm - norm) > 1e-5 * max(norm, 1e-12):
-            raise RuntimeError(
-                f"vLLM's update (‖Δθ‖ = {vllm_norm}) differs from the trainer's ({norm}): its weights no longer "
-                "follow the trainer's"
-            )
-        if isinstance(self.engine, Server) and self.fingerprints(self.engine_fingerprints()) is not None:
+        """vLLM applies the update of `payload` (`es_update`; every server), checked against the trainer's norm."""
+        for result in self._changed("es_update", payload):
+            if abs(result["update_norm"] - norm) > 1e-5 * max(norm, 1e-12):
+                raise RuntimeError(
+                    f"vLLM's update (‖Δθ‖ = {result['update_norm']}) differs from the trainer's ({norm}): its weights "
+                    "no longer follow the trainer's"
+                )
+        if not isinstance(self.engine, Colocated) and self.fingerprints(self.engine_fingerprints()) is not None:
             raise RuntimeError(
                 f"the weights served at {self.engine.url} differ from the trainer's after the update: another client "
                 "changed them. Training stops; resume from the last checkpoint once the server is yours alone."
@@ -393,34 +396,52 @@ class VLLMWeights:
             )
         try:
             self._changed("es_lowrank_members", {"members": [[seed, scale] for seed, scale in members]})
-            yield self._route(len(members))
+            yield self._route(self.adapter_ids[: len(members)])
         finally:
             self.generation.row_adapters = None
             self._changed("es_lowrank_members", {"members": []})
 
     @contextlib.contextmanager
     def members(self, members: list[tuple[int, float, list[str] | None]]):
-        """Adapter mode: within the context, LoRA slot k+1 holds member k = (seed, σ·sign, the names it perturbs;
-        scale 0: θ), all built inside vLLM's workers from seeds; yields the `Route` of the next generate calls'
-        rows, as `lowrank_members` does."""
-        if len(members) > self.adapter_slots:
-            raise ValueError(f"{len(members)} members in one generate call, and vLLM has {self.adapter_slots} slots")
+        """Within the context, member k = (seed, σ·sign, the names it perturbs; scale 0: θ), built inside vLLM's
+        workers from its seed, is in LoRA slot k+1 (adapter mode) or on server k (several servers: `Servers`);
+        yields the `Route` of the next generate calls' rows, as `lowrank_members` does. The servers hold θ again
+        after."""
+        if len(members) > self.member_slots:
+            raise ValueError(f"{len(members)} members in one generate call, and vLLM has {self.member_slots} slots")
+        if isinstance(self.engine, Servers):
+            yield from self._members_on_servers(members)
+            return
         payload = {"members": [[seed, scale] for seed, scale, _ in members], "member_names": [n for *_, n in members]}
         self._changed("es_adapter_members", payload)
         try:
-            yield self._route(len(members), first=1)
+            yield self._route(self.adapter_ids[1 : len(members) + 1])
         finally:
             self.generation.row_adapters = None
 
-    def _route(self, n_members: int, first: int = 0):
-        """Row b of the next calls through the adapter of member `row_members[b]` (slot `first` + member)."""
+    def _members_on_servers(self, members: list[tuple[int, float, list[str] | None]]):
+        """Member k written into server k (`members`), all at once; each server back to θ on exit."""
+        engine = self.engine
+        calls = {
+            k: ("es_restore", {}) if scale == 0 else ("es_perturb", {"seed": seed, "scale": scale, "names": names})
+            for k, (seed, scale, names) in enumerate(members)
+        }
+        try:
+            engine.change_each(calls)
+            yield self._route(list(range(len(members))))
+        finally:
+            self.generation.row_adapters = None
+            engine.change_each({k: ("es_restore", {}) for k in calls})
+
+    def _route(self, targets: list[int]):
+        """Row b of the next calls through `targets[row_members[b]]`: member m's LoRA adapter id, or its server."""
 
         def route(row_members) -> None:
             rows = [row_members] if isinstance(row_members, int) else list(row_members)
-            if not all(0 <= m < n_members for m in rows):
-                raise ValueError(f"row_members must lie in [0, {n_members}), got {sorted(set(rows))}")
-            adapters = [self.adapter_ids[first + m] for m in rows]
-            self.generation.row_adapters = adapters[0] if isinstance(row_members, int) else adapters
+            if not all(0 <= m < len(targets) for m in rows):
+                raise ValueError(f"row_members must lie in [0, {len(targets)}), got {sorted(set(rows))}")
+            chosen = [targets[m] for m in rows]
+            self.generation.row_adapters = chosen[0] if isinstance(row_members, int) else chosen
 
         return route
 

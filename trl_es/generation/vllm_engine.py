@@ -17,6 +17,7 @@ import weakref
 import numpy as np
 import torch
 
+from ..es.lowrank import members_per_call
 from ..util.compat import grpo_default
 
 
@@ -67,9 +68,9 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 def lora_settings(args, target_names: list[str]) -> dict:
     """The `vllm.LLM` LoRA fields for low-rank members (`trl_es.generation.vllm_worker`): one adapter slot per member
-    of a generate call (`lowrank_members_per_call`; default the population and the centre), the smallest vLLM rank
-    ≥ `lowrank_rank`, and adapters only on the layers of the perturbed weights."""
-    slots = args.lowrank_members_per_call or args.population_size + 1
+    of a generate call (`trl_es.es.lowrank.members_per_call`), the smallest vLLM rank ≥ `lowrank_rank`, and
+    adapters only on the layers of the perturbed weights."""
+    slots = members_per_call(args)
     return {
         "enable_lora": True,
         "max_loras": slots,
@@ -235,14 +236,21 @@ class Colocated:
             self.llm.llm_engine.reset_encoder_cache()
 
 
-class Server:
-    """A running `trl-es vllm-serve`: health wait, model check, `collective_rpc`, `/v1/completions`, each request
-    with the server's token (`$TRL_ES_VLLM_TOKEN`)."""
+def server_urls(args) -> list[str]:
+    """The servers of `vllm_mode="server"`: `vllm_server_base_url`, one URL or several separated by commas, else
+    `http://vllm_server_host:vllm_server_port`."""
+    given = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+    return [url.strip().rstrip("/") for url in given.split(",") if url.strip()]
 
-    def __init__(self, args):
+
+class Server:
+    """A running `trl-es vllm-serve` at `url`: health wait, model check, `collective_rpc`, `/v1/completions`, each
+    request with the server's token (`$TRL_ES_VLLM_TOKEN`)."""
+
+    def __init__(self, args, url: str):
         import requests  # the [vllm] extra (and a dependency of datasets)
 
-        self.url = (args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}").rstrip("/")
+        self.url = url
         self.session = requests.Session()
         self.session.headers["Authorization"] = f"Bearer {os.environ.get(TOKEN_VARIABLE, '')}"
         deadline = time.monotonic() + args.vllm_server_timeout
@@ -270,7 +278,13 @@ class Server:
             ) from error
 
     def _post(self, route: str, body: dict | None = None, **params):
-        return self._checked(self.session.post(f"{self.url}{route}", json=body, params=params, timeout=None), route)
+        import requests
+
+        try:
+            response = self.session.post(f"{self.url}{route}", json=body, params=params, timeout=None)
+        except requests.ConnectionError as error:
+            raise ConnectionError(f"the vLLM server at {self.url} stopped answering ({route}): {error}") from error
+        return self._checked(response, route)
 
     def _checked(self, response, route: str):
         if response.status_code == 401:
@@ -307,3 +321,55 @@ class Server:
 
     def reset_prefix_cache(self) -> None:
         self._post("/reset_prefix_cache")
+
+
+class Servers:
+    """Several `trl-es vllm-serve` servers driven as one engine (`server_urls`): an rpc goes to each of them at once
+    (the results of all their workers, server by server); in a generate call row r goes to server `servers[r]` (a
+    members' route: member k of the call on server k), or without one the rows are dealt over the servers, every
+    server's requests sent together. A server that fails is an error naming it, raised once every server has
+    answered (so the others have done what was asked, restoring θ included)."""
+
+    def __init__(self, args, urls: list[str]):
+        self.servers = self._each(lambda url: Server(args, url), urls)
+        self.url = ", ".join(urls)
+        self.model = self.servers[0].model
+
+    @staticmethod
+    def _each(call, items: list) -> list:
+        """`call(item)` for every item at once, in order; the first error after all have finished."""
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(items)) as pool:
+            futures = [pool.submit(call, item) for item in items]
+            concurrent.futures.wait(futures)
+        return [future.result() for future in futures]
+
+    def rpc(self, method: str, payload: dict) -> list:
+        return [result for results in self._each(lambda s: s.rpc(method, payload), self.servers) for result in results]
+
+    def change_each(self, calls: dict[int, tuple[str, dict]]) -> list:
+        """Server k runs `calls[k]` = (method, payload), a call that changes its weights, then drops its prefix
+        cache; all at once. Each one's results."""
+
+        def change(k: int) -> list:
+            results = self.servers[k].rpc(*calls[k])
+            self.servers[k].reset_prefix_cache()
+            return results
+
+        return self._each(change, list(calls))
+
+    def generate(self, prompt_ids: list[list[int]], settings: list[dict], servers: list[int] | None = None):
+        """One completion per prompt (`Server.generate`), row r on server `servers[r]` (default: dealt in turn)."""
+        servers = servers or [r % len(self.servers) for r in range(len(prompt_ids))]
+        rows = {k: [r for r, server in enumerate(servers) if server == k] for k in sorted(set(servers))}
+        answers = self._each(
+            lambda k: self.servers[k].generate([prompt_ids[r] for r in rows[k]], [settings[r] for r in rows[k]]),
+            list(rows),
+        )
+        outputs = [None] * len(prompt_ids)
+        for k, answer in zip(rows, answers, strict=True):
+            for r, output in zip(rows[k], answer, strict=True):
+                outputs[r] = output
+        return outputs
+
+    def reset_prefix_cache(self) -> None:
+        self._each(lambda server: server.reset_prefix_cache(), self.servers)

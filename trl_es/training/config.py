@@ -291,8 +291,9 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         metadata={
             "group": SPACE,
             "help": "Low-rank ES: members per batched generate call (each brings per_device_train_batch_size × "
-            "num_generations rows); default all of this process's members in one call. With use_vllm, the "
-            "engine's LoRA adapter slots (default population_size + 1).",
+            "num_generations rows); default the whole population while its rows fit in 512, else calls of as many "
+            "members as fit (memory stays flat in the population size). With use_vllm, the engine's LoRA adapter "
+            "slots.",
         },
     )
     merge_models: list[str] | None = field(

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import warnings
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from accelerate.utils import parse_flag_from_env
+
+from ..util.compat import process_group_store
 
 
 def fsdp_version() -> int | None:
@@ -56,6 +59,29 @@ def engine_size(args) -> int:
 def local_slots(n_slots: int, process_index: int, num_processes: int) -> list[int]:
     """The slots process `process_index` of `num_processes` evaluates (round-robin; none when index ≥ n_slots)."""
     return list(range(process_index, n_slots, num_processes))
+
+
+LIVENESS_SECONDS = 10.0
+"""How long the processes left after a failed all-reduce wait for each other to say they are alive (`unanswering`)."""
+
+
+def unanswering(step: int, seconds: float = LIVENESS_SECONDS) -> list[int] | None:
+    """After the all-reduce of `step` failed: the processes that do not say they are alive within `seconds`, each
+    survivor writing a key of its own to the process group's store (`process_group_store`) — the lost ones, hung,
+    dead or on a machine that is gone. None where the store cannot tell (it lived in process 0, or torch has none)."""
+    store = process_group_store()
+    if store is None:
+        return None
+    prefix, deadline = f"trl-es/alive/{step}/", time.monotonic() + seconds
+    try:
+        store.set(f"{prefix}{dist.get_rank()}", "1")
+        missing = list(range(dist.get_world_size()))
+        while missing and time.monotonic() < deadline:
+            missing = [rank for rank in missing if not store.check([f"{prefix}{rank}"])]
+            time.sleep(0.1 if missing else 0)
+    except (RuntimeError, OSError):  # the store's server (in process 0) is gone
+        return None
+    return missing
 
 
 def all_reduce_summaries(
@@ -120,11 +146,17 @@ class Processes:
         try:
             summaries, failed = all_reduce_summaries(mine, error is not None, accelerator.device, self.timeout_s)
         except RuntimeError as exc:  # torch.distributed timeouts and lost peers are RuntimeErrors
+            lost = unanswering(step)
+            if lost is None:
+                who = "another process hung, died or was killed (which one is unknown: process 0's store is gone)"
+            elif lost:
+                who = f"process(es) {lost} did not answer (hung, died or killed, or their machine is gone)"
+            else:
+                who = "every process answered afterwards: one of them was slower than ddp_timeout"
             raise RuntimeError(
                 f"ES step {step + 1}: process {accelerator.process_index} of {accelerator.num_processes} gave up waiting "
-                f"for the other processes' rewards (ddp_timeout={self.timeout_s} s): another process hung, died or "
-                "was killed. This process's weights are restored to the start of the step; resume from the last "
-                "checkpoint."
+                f"for the other processes' rewards (ddp_timeout={self.timeout_s} s): {who}. This process's weights are "
+                "restored to the start of the step; resume from the last checkpoint."
             ) from exc
         if error is not None:
             raise error

@@ -16,6 +16,7 @@ from trl.trainer.grpo_config import GRPOConfig
 from trl.trainer.utils import disable_dropout_in_model, get_config_model_id
 
 from ..es.params import HALF_PRECISION, is_quantized, upcast
+from ..generation.vllm_engine import server_urls
 from ..util.compat import is_peft_model
 from ..util.models import (
     add_adapter,
@@ -157,10 +158,13 @@ def check_setup(args, model, zero_stage: int | None, num_processes: int, mixed_p
         )
     if args.use_vllm and zero_stage == 3:
         raise ValueError("use_vllm=True needs θ whole on every process: use ZeRO-2 or none (ZeRO-3 partitions it)")
-    if args.use_vllm and args.vllm_mode == "server" and num_processes > 1:
+    servers = len(server_urls(args)) if args.use_vllm and args.vllm_mode == "server" else num_processes
+    if servers < num_processes:
         raise ValueError(
-            f"vllm_mode='server' with {num_processes} processes: a server holds one member's weights at a time, so "
-            "one training process drives it. Use one process, or vllm_mode='colocate'."
+            f"vllm_mode='server' with {num_processes} processes and {servers} server(s): a server holds one member's "
+            "weights at a time, so each training process drives servers of its own. Give vllm_server_base_url one "
+            "URL per process at least (comma-separated: process r drives every K-th from the r-th), or use fewer "
+            "processes, or vllm_mode='colocate'."
         )
     half = "bf16" if args.bf16 else "fp16" if args.fp16 else mixed_precision if mixed_precision != "no" else None
     if half and zero_stage == 3:

@@ -222,10 +222,13 @@ class Population:
             else ""
         )
         completions = members * prompts * args.num_generations
+        local = len(self.processes.slots(members))
+        per_call = self.space.members_per_call(local) if self.rollout.batches_members else 1
+        calls = f", in generate calls of {per_call} members" if 1 < per_call < local else ""
         return (
             f"trl-es: each ES step generates {completions} completions ({members} members × {prompts} prompts{folded} "
             f"× num_generations={args.num_generations}, each up to {args.max_completion_length} tokens), over "
-            f"{self.processes.accelerator.num_processes} process(es)"
+            f"{self.processes.accelerator.num_processes} process(es){calls}"
         )
 
     def layout(self, n_prompts: int) -> SummaryLayout:

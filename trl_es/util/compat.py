@@ -32,6 +32,10 @@ test suite runs on both ends of it (tests/unit/test_compat.py, .ci/matrix).
   `_tag_names`, `TrainingArguments._VALID_DICT_FIELDS`), checked against the installed sources by
   tests/unit/test_compat.py. Outside TRL and transformers: argparse's `ArgumentParser._actions` (the `trl-es es`
   parser's options), and vLLM's internals listed in docs/vllm.md.
+- `process_group_store()`: torch.distributed's `distributed_c10d._get_default_store` (private; torch 2.6 … 2.15),
+  the key-value store the default process group rendezvoused through (it lives in process 0), where processes left
+  after a failed all-reduce say they are alive (`trl_es.training.distributed.unanswering`). None where torch has
+  no such function or no group is initialized: the error then names no process.
 
 Optional packages come with the extras of pyproject.toml; `import_extra` imports one or names the extra to install.
 """
@@ -73,6 +77,14 @@ TRAINER_ATTRIBUTES = {
 }
 """The private attributes of TRL's and transformers' trainers and arguments ESTrainer reads or sets, and what they
 are (checked against the installed sources: tests/unit/test_compat.py)."""
+
+
+def process_group_store():
+    """The default process group's store (module docstring), or None."""
+    import torch.distributed as dist
+
+    get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    return get_store() if get_store is not None and dist.is_initialized() else None
 
 
 def grpo_default(name: str):
