@@ -254,6 +254,7 @@ class VLLMWeights:
         self.local, self.generation, self.params = local, generation, local.params
         self.engine = generation.engine
         self.started, self.checkpoint = False, None
+        self.member_names: set[str] = set()  # the names vLLM holds a member's values in (`member`, `center`)
         self.lowrank_names = (
             list(lowrank_targets(generation.model, local.params)) if args.es_search_space == "lowrank" else None
         )
@@ -349,10 +350,14 @@ class VLLMWeights:
         return results
 
     def member(self, seed: int, scale: float, names: list[str] | None = None) -> set[str]:
-        return set(self._changed("es_perturb", {"seed": seed, "scale": scale, "names": names})[0]["written"])
+        self._changed("es_perturb", {"seed": seed, "scale": scale, "names": names})
+        written, self.member_names = self.member_names | set(names or self.params), set(names or self.params)
+        return written
 
     def center(self) -> set[str]:
-        return set(self._changed("es_restore", {})[0]["written"])
+        self._changed("es_restore", {})
+        written, self.member_names = self.member_names, set()
+        return written
 
     def restore(self) -> None:
         self.local.restore()

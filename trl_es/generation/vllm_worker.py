@@ -365,20 +365,20 @@ class ESWorkerExtension:
         return views, regions
 
     def es_perturb(self, payload: str) -> dict:
-        """vLLM's weights ← θ + scale·ε(seed) over `names` (default: all ES names), θ elsewhere; {"written": the
-        names whose tensors changed}."""
+        """vLLM's weights ← θ + scale·ε(seed) over `names` (default: all ES names), θ elsewhere; {"written": how many
+        tensors changed} (a few bytes back per member: the trainer knows which)."""
         args = parse_payload(payload, "seed", "scale")
         names = self._es_known(args.get("names"))
         written = self._es_weights.member(args["seed"], args["scale"], names)
         self._es_push(written)
-        return {"written": sorted(written)}
+        return {"written": len(written)}
 
     def es_restore(self, payload: str) -> dict:
-        """vLLM's weights ← θ; {"written": the names whose tensors changed}."""
+        """vLLM's weights ← θ; {"written": how many tensors changed}."""
         written = self._es_weights.center()
         if written:
             self._es_push(written)
-        return {"written": sorted(written)}
+        return {"written": len(written)}
 
     def es_update(self, payload: str) -> dict:
         """θ ← θ + Σ_s c_s ε(s) − decay·θ over `names` (default: all ES names), with the trainer's arithmetic (the
