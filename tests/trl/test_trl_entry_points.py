@@ -488,7 +488,7 @@ def test_recipes_es_cannot_honour_are_refused_saying_why(tmp_path, recipe, messa
     "settings, zero_stage, processes, message",
     [
         (dict(use_vllm=True, vllm_mode="server"), 3, 32, "use ZeRO-2 or none"),
-        (dict(use_vllm=True, vllm_mode="server"), 2, 32, "one training process drives it"),
+        (dict(use_vllm=True, vllm_mode="server"), 2, 32, "32 processes and 1 server"),
         (dict(bf16=True, use_cpu=True), 3, 32, "Use ZeRO-2"),
     ],
     ids=["vllm-with-zero3", "server-with-32-processes", "bf16-with-zero3"],

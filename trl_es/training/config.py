@@ -413,7 +413,8 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         metadata={
             "group": VLLM,
             "help": "'colocate': an in-process vLLM engine per training process. 'server': a vLLM server started "
-            "with `trl-es vllm-serve` (one training process per server: a server holds one member at a time).",
+            "with `trl-es vllm-serve`, or several (`vllm_server_base_url`): a server holds one member at a time, so "
+            "each training process drives servers of its own.",
             "choices": list(VLLM_MODES),
         },
     )
@@ -436,7 +437,9 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         default=grpo_default("vllm_server_base_url"),
         metadata={
             "group": VLLM,
-            "help": "Server mode: base URL of the server (e.g. 'http://localhost:8000'); overrides host and port.",
+            "help": "Server mode: base URL of the server (e.g. 'http://localhost:8000'); overrides host and port. "
+            "Several, separated by commas: one member on each at once (with K processes, process r drives every "
+            "K-th from the r-th).",
         },
     )
     vllm_server_host: str = field(
