@@ -14,8 +14,10 @@ within this one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,7 +39,17 @@ def start_server(model: str, port: int, core: int, log: Path) -> subprocess.Pope
            "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(ROOT)}  # fmt: skip
     command = ["taskset", "-c", str(core), sys.executable, "-m", "trl_es.cli", "vllm-serve", "--model", model,
                "--port", str(port), "--dtype", "float32", "--enforce-eager", "--max-model-len", "512"]  # fmt: skip
-    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """The server and its engine core and worker processes (the API server alone leaves them running)."""
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
 
 
 def count_bytes(counter: dict) -> None:
@@ -108,8 +120,7 @@ def main() -> None:
             rows["2 servers"].append(train(urls, options, str(folder / f"two{repeat}"), counter))
     finally:
         for server in servers:
-            server.terminate()
-            server.wait(60)
+            stop_server(server)
     rate = {name: [row["members_per_minute"] for row in runs] for name, runs in rows.items()}
     one = sum(rate["1 server"]) / options.repeats
     print(f"{'':10} {'members/min':>12} {'(range)':>13} {'vs 1 server':>12} {'weights B/member':>17} "

