@@ -36,8 +36,8 @@ from ..es.params import upcast
 from ..es.space import SEARCH_SPACES, UpdateRule
 from ..es.weights import LocalWeights, weights_hash
 from ..util.atomic import atomic_write_text
-from ..util.compat import import_extra
-from ..util.models import is_hub_repository, quantization_record
+from ..util.compat import import_extra, is_peft_model
+from ..util.models import is_adapter_dir, is_hub_repository, quantization_record
 
 
 FORMAT = "trl-es-chain/1"
@@ -51,7 +51,8 @@ class Base(TypedDict):
     path: str | None  # where it was on the training machine: a hint for replaying there
     revision: str | None
     sha256: str
-    es_adapter_only: bool  # trained the adapter of a PeftModel only
+    frozen_sha256: str  # of the parameters ES leaves as they are (absent from older chains), checked on resume
+    es_adapter_only: bool  # the base is a PeftModel whose adapter ES trains (loaded unmerged at replay)
     peft_config: dict | None  # a new adapter ESTrainer added (peft_config), rebuilt seeded at replay
     model_dtype: str  # the dtype the base was loaded in (absent from older chains: the ES parameters' `dtype`)
     quantization: dict | None  # how transformers quantized the base (its quantization_config), loaded so at replay
@@ -147,43 +148,89 @@ def run_header(args, params, space, optimizer) -> dict:
     }
 
 
-RESUME_FIELDS = {"dtype": "the model's dtype", "parameters": "es_parameter_patterns (the parameters ES moves)",
+RESUME_FIELDS = {"base": "adapter (peft_config, es_adapter_only), model dtype or quantization",
+                 "dtype": "the model's dtype", "parameters": "es_parameter_patterns (the parameters ES moves)",
                  "noise": "seed or noise_table_size",
-                 "space": "es_search_space or its settings, or es_anchor_decay"}  # fmt: skip
+                 "space": "es_search_space or its settings, or es_anchor_decay",
+                 "settings": "settings"}  # fmt: skip
 """The header parts a resumed run must share with its checkpoint's chain, and the settings that decide them."""
 
 
 def check_resume(chain: Chain, expected: dict, checkpoint: str) -> None:
-    """A ValueError when the run resuming `checkpoint` would record other updates than its chain describes: a resumed
-    chain must still replay to the run's weights."""
+    """A ValueError when the run resuming `checkpoint` would record other updates than its chain describes, or other
+    settings than it records (a resumed chain must still replay to the run's weights and say how it was trained; a
+    resumed run keeps the checkpoint's learning-rate schedule): `expected` is this run's `run_header` with "base" its
+    `base_setup`. Checked before anything is loaded."""
     for key, settings in RESUME_FIELDS.items():
         recorded, now = chain.header[key], expected[key]
-        if key == "space":  # the optimizer is checked with its state (optimizer.pt against the chain's tip)
+        if key == "space":  # the optimizer is checked with its state (`ChainRecorder.check_optimizer`)
             recorded, now = ({k: v for k, v in part.items() if k != "optimizer"} for part in (recorded, now))
+        if key in ("base", "settings"):  # what this run decides and the chain records (older chains: less)
+            recorded = {k: recorded.get(k, BASE_SETUP_DEFAULTS.get(k)) for k in now if k in recorded or key == "base"}
+            now = {k: now[k] for k in recorded}
         if recorded != now:
             raise ValueError(
-                f"resuming {checkpoint} with other {settings} than it was trained with (its seed chain: "
-                f"{str(recorded)[:120]}; this run: {str(now)[:120]}): the chain would no longer replay to the weights. "
-                "Resume with the checkpoint's settings, or start a new run from it with model=<the checkpoint>"
+                f"resuming {checkpoint} with other {settings} than it was trained with ({differences(recorded, now)}):"
+                f" the seed chain would no longer describe the run. Resume with the checkpoint's settings, or start a "
+                f"new run from it with model={checkpoint!r} and a new output_dir"
             )
+
+
+def differences(recorded, now, prefix: str = "") -> str:
+    """The first few places where `now` differs from `recorded`, as 'key: recorded → now'."""
+    if isinstance(recorded, dict) and isinstance(now, dict):
+        found = [differences(recorded.get(k), now.get(k), f"{prefix}{k}.") for k in {**recorded, **now}
+                 if recorded.get(k) != now.get(k)]  # fmt: skip
+        return "; ".join(found[:3])
+    if isinstance(recorded, list) and isinstance(now, list) and len(recorded) != len(now):
+        return f"{prefix.rstrip('.') or 'list'}: {len(recorded)} entries → {len(now)}"
+    if isinstance(recorded, list) and isinstance(now, list):
+        i = next(i for i, (a, b) in enumerate(zip(recorded, now, strict=True)) if a != b)
+        return f"{prefix}{i}: {str(recorded[i])[:60]} → {str(now[i])[:60]}"
+    return f"{prefix.rstrip('.') or 'value'}: {str(recorded)[:60]} → {str(now)[:60]}"
+
+
+BASE_SETUP_DEFAULTS = {"model_dtype": None, "quantization": None}
+"""What a chain written before `base_setup` recorded them says of these: nothing to compare."""
+
+
+def base_setup(args, model, params: dict, new_adapter: bool) -> dict:
+    """How the base of a run on `model` (ES parameters `params`; `new_adapter`: ESTrainer added it) is loaded again
+    at replay: its adapter (a new one's `peft_config`, or `es_adapter_only` for a PeftModel whose own adapter ES
+    trains), dtype and quantization."""
+    peft_config = getattr(model, "peft_config", {}).get("default") if new_adapter else None
+    if peft_config is not None:  # which base it sits on is the chain's base (its weights: `frozen_hash`)
+        peft_config = {
+            k: v for k, v in peft_config.to_dict().items() if k not in ("base_model_name_or_path", "revision")
+        }
+    return {
+        "es_adapter_only": args.es_adapter_only or (is_peft_model(model) and not new_adapter),
+        "peft_config": _jsonable(peft_config),
+        "model_dtype": load_dtype(model, params),
+        "quantization": quantization_record(model),
+    }
+
+
+def frozen_hash(model, params: dict) -> str:
+    """SHA-256 (`weights_hash`) of `model`'s parameters outside the ES parameters `params`: what ES never moves."""
+    trained = {id(p) for p in params.values()}
+    return weights_hash({name: p for name, p in model.named_parameters() if id(p) not in trained})
 
 
 def new_chain(args, model, params, space, optimizer, model_source: str, new_adapter: bool) -> Chain:
     """The seed chain of a run starting from `model`'s weights now (its first step): `params` are the ES
-    parameters, `space` the search space, `optimizer` Trainer's (recorded with `es_optimizer` only)."""
-    peft_config = getattr(model, "peft_config", {}).get("default") if new_adapter else None
+    parameters, `space` the search space, `optimizer` Trainer's (recorded with `es_optimizer` only). `model_source`
+    is where replay loads the base from (a PeftModel given in memory: the directory its adapter was saved to)."""
     path = os.path.abspath(model_source) if os.path.isdir(model_source) else None
     named = get_config_model_id(model.config)
-    hub_id = named if is_hub_repository(named) else None
+    hub_id = named if is_hub_repository(named) and not is_adapter_dir(model_source) else None
     base = Base(
         model=hub_id if path and hub_id else model_source,
         path=path,
         revision=(args.model_init_kwargs or {}).get("revision"),
         sha256=weights_hash(dict(model.named_parameters())),
-        es_adapter_only=args.es_adapter_only,
-        peft_config=_jsonable(peft_config.to_dict()) if peft_config is not None else None,
-        model_dtype=load_dtype(model, params),
-        quantization=quantization_record(model),
+        frozen_sha256=frozen_hash(model, params),
+        **base_setup(args, model, params, new_adapter),
     )
     return Chain(Header(base=base, **run_header(args, params, space, optimizer)))
 

@@ -8,7 +8,21 @@ import hashlib
 import os
 
 from ..es.weights import weights_hash
-from .chain import FILE, Chain, Tip, check_resume, load_chain, new_chain, run_header
+from ..util.atomic import atomic_directory
+from ..util.compat import is_peft_model
+from ..util.models import is_adapter_dir
+from .chain import (
+    FILE,
+    Chain,
+    Tip,
+    base_setup,
+    check_resume,
+    frozen_hash,
+    load_chain,
+    new_chain,
+    optimizer_header,
+    run_header,
+)
 
 
 def file_sha256(path: str) -> str:
@@ -17,6 +31,10 @@ def file_sha256(path: str) -> str:
         for block in iter(lambda: file.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+BASE_ADAPTER = "base-adapter"
+"""The folder of `output_dir` holding the starting adapter of a PeftModel given in memory: the chain's base."""
 
 
 class ChainRecorder:
@@ -29,11 +47,18 @@ class ChainRecorder:
         self.chain: Chain | None = None
 
     def start(self, model, optimizer) -> None:
-        """A new run's chain, from the weights `model` holds now (a resumed run continues its checkpoint's)."""
-        if self.chain is None:
-            self.chain = new_chain(
-                self.args, model, self.params, self.space, optimizer, self.model_source, self.new_adapter
-            )
+        """A new run's chain, from the weights `model` holds now (a resumed run continues its checkpoint's). A
+        PeftModel given in memory has its starting adapter saved to `<output_dir>/BASE_ADAPTER`, the base the chain
+        replays from."""
+        if self.chain is not None:
+            return
+        source = self.model_source
+        if is_peft_model(model) and not self.new_adapter and not is_adapter_dir(source):
+            source = os.path.abspath(os.path.join(self.args.output_dir, BASE_ADAPTER))
+            if self.args.should_save:
+                with atomic_directory(source) as staging:
+                    model.save_pretrained(staging)
+        self.chain = new_chain(self.args, model, self.params, self.space, optimizer, source, self.new_adapter)
 
     def record(self, step: int, update: dict | None) -> None:
         """The update of ES step `step` (the search space's record; None: no update)."""
@@ -55,28 +80,35 @@ class ChainRecorder:
         if self.chain is not None:
             self.chain.save(folder, tip)
 
-    @staticmethod
-    def require(checkpoint: str) -> None:
-        """A ValueError, before anything is loaded, unless `checkpoint` holds a seed chain (an ESTrainer
-        checkpoint)."""
+    def check_resume(self, checkpoint: str, model) -> None:
+        """A ValueError, before anything is loaded, unless `checkpoint` holds a seed chain (an ESTrainer checkpoint)
+        of a run set up as this one on `model` (`chain.check_resume`)."""
         if not os.path.isfile(os.path.join(checkpoint, FILE)):
             raise ValueError(
                 f"{checkpoint} is not an ESTrainer checkpoint (it has no {FILE}; a GRPOTrainer checkpoint?): ES "
                 "cannot resume another trainer's optimizer and schedule. To start ES from its weights, pass it as the "
-                f"model: ESTrainer(model={checkpoint!r}, ...)"
+                f"model with a new output_dir: ESTrainer(model={checkpoint!r}, ...)"
             )
+        expected = run_header(self.args, self.params, self.space, None)
+        check_resume(load_chain(checkpoint), {**expected, "base": base_setup(self.args, model, self.params,
+                                                                            self.new_adapter)}, checkpoint)  # fmt: skip
 
-    def resume(self, checkpoint: str) -> None:
-        """Continue the chain of `checkpoint`, whose weights this process holds now: its weights (and optimizer
-        state) must be those its chain was saved with, and this run must record the same kind of updates
-        (`check_resume`)."""
+    def resume(self, checkpoint: str, model) -> None:
+        """Continue the chain of `checkpoint`, whose weights `model` holds now: its ES parameters (and optimizer
+        state) must be those its chain was saved with, and the others those the run started from."""
         chain = load_chain(checkpoint)
-        check_resume(chain, run_header(self.args, self.params, self.space, None), checkpoint)
         tip = chain.tip or {}
         if "weights_sha256" in tip and weights_hash(self.params) != tip["weights_sha256"]:
             raise ValueError(
                 f"{checkpoint}: its {FILE} was saved with other weights than the checkpoint's (a file copied from "
                 "another run?): the chain would not rebuild this model"
+            )
+        frozen = chain.header["base"].get("frozen_sha256")
+        if frozen is not None and frozen_hash(model, self.params) != frozen:
+            raise ValueError(
+                f"{checkpoint}: the weights ES does not train (the base of an adapter, or those es_parameter_patterns "
+                f"leaves out) are not those the run started from ({chain.header['base']['model']!r}): resume on "
+                "the model the run was started with"
             )
         optimizer = os.path.join(checkpoint, "optimizer.pt")
         if "optimizer_sha256" in tip and not (
@@ -84,3 +116,18 @@ class ChainRecorder:
         ):
             raise ValueError(f"{checkpoint}: optimizer.pt is not the optimizer state its {FILE} was saved with")
         self.chain = chain
+
+    def check_optimizer(self, optimizer, checkpoint: str) -> None:
+        """A ValueError, before `checkpoint`'s optimizer.pt is loaded into `optimizer`, unless the run resumed trains
+        with the optimizer its chain records (`es_optimizer`), over the same parameter groups."""
+        recorded = self.chain.header["space"].get("optimizer")
+        now = optimizer_header(optimizer, self.params) if self.args.es_optimizer else None
+        kind = lambda header: header and (header.get("module", "torch.optim"), header["class"],  # noqa: E731
+                                          [g["parameters"] for g in header["groups"]])  # fmt: skip
+        if kind(recorded) != kind(now):
+            named = lambda header: f"{header['module']}.{header['class']}" if header else "none (es_optimizer off)"  # noqa: E731
+            raise ValueError(
+                f"resuming {checkpoint} with the optimizer {named(now)} where it was trained with "
+                f"{named(recorded)}: its optimizer.pt holds that one's state. Resume with the checkpoint's optim "
+                f"and es_optimizer, or start a new run from it with model={checkpoint!r} and a new output_dir"
+            )

@@ -31,7 +31,6 @@ from trl.trainer.utils import get_config_model_id
 
 from ..chains import FILE as CHAIN_FILE
 from ..chains import Chain
-from ..chains.recorder import ChainRecorder
 from ..es.weights import weights_hash
 from ..util import deltas
 from ..util.atomic import atomic_directory, atomic_write_text, publish_directory
@@ -126,15 +125,21 @@ class SavingMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         """Trainer's checkpoint loading (under ZeRO-3 into the gathered θ, keeping this process's slice), then the
         seed chain, the weights backend and the search space take the checkpoint's state."""
-        ChainRecorder.require(resume_from_checkpoint)
+        self.chain_recorder.check_resume(resume_from_checkpoint, self.model)
         with self._full_parameters():
             super()._load_from_checkpoint(resume_from_checkpoint, model)
             self.processes.write_shards(self.model.parameters())
-            self.chain_recorder.resume(resume_from_checkpoint)
+            self.chain_recorder.resume(resume_from_checkpoint, self.model)
             if self.space.rule.anchor_decay:
                 self._load_anchor(resume_from_checkpoint)
         self.weights.loaded(resume_from_checkpoint)
         self.space.load_state(resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """Trainer's, once the optimizer built is the one the checkpoint's state belongs to."""
+        if checkpoint is not None:
+            self.chain_recorder.check_optimizer(self.optimizer, checkpoint)
+        super()._load_optimizer_and_scheduler(checkpoint)
 
     def _load_anchor(self, checkpoint: str) -> None:
         """θ₀ of the anchored decay from `checkpoint`, checked to be the weights its seed chain starts from: with the

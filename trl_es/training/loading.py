@@ -4,6 +4,7 @@ tokenizer, the prompt datasets (an agent run's included) and the run's set-up; a
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -330,7 +331,23 @@ def check_args(args, model) -> ESConfig:
     if not isinstance(args, ESConfig):
         raise TypeError(f"`args` must be an ESConfig, got {type(args).__name__}")
     check_grpo_only_fields(args, GRPO_ONLY_FIELDS)  # a refused field set after the config was built, as scripts do
+    check_output_dir(args.output_dir, model)
     return args
+
+
+def check_output_dir(output_dir: str, model) -> None:
+    """A ValueError when the run would write into the directory of the model it starts from (`output_dir` is it or
+    holds it, as for model=<run>/checkpoint-K): its saves would overwrite, and its checkpoints rotate away, the
+    weights its seed chain replays from."""
+    source = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
+    if not (source and os.path.isdir(source)):
+        return
+    source, output_dir = os.path.realpath(source), os.path.realpath(output_dir)
+    if os.path.commonpath([source, output_dir]) == output_dir:
+        raise ValueError(
+            f"output_dir {output_dir!r} holds the model this run starts from ({source!r}): its saves and checkpoints "
+            "would overwrite or rotate away the weights the seed chain replays from. Give the run a new output_dir"
+        )
 
 
 def training_dataset(dataset, args, environment_factory):
