@@ -3,6 +3,7 @@ published, crafted chain headers, a bfloat16 base's sparse delta, a base without
 experts than it has, `trl-es sparsify --out` onto an existing file, the old `trl_es.research.sparse` names."""
 
 import os
+import re
 import shutil
 
 import pytest
@@ -11,6 +12,9 @@ from helpers import es_config
 from transformers.trainer_utils import get_last_checkpoint
 
 from trl_es import ESTrainer
+from trl_es.chains import Chain
+from trl_es.cli import main as cli
+from trl_es.es.noise import CHUNK
 from trl_es.util import atomic
 
 
@@ -96,3 +100,66 @@ def test_a_save_model_stopped_by_an_error_still_leaves_the_old_save_whole(tmp_pa
         trainer.save_model(str(target))
     assert {name: os.stat(target / name).st_ino for name in os.listdir(target)} == files
     assert not [name for name in os.listdir(tmp_path) if name.startswith(".saved.")]
+
+
+def chain_file(folder, space: dict, peft_config: dict | None = None) -> str:
+    """A seed chain with a valid checksum and the given `space` header (and adapter), of one skipped step."""
+    base = dict(model="tiny", path=None, revision=None, sha256="0" * 64, es_adapter_only=False,
+                peft_config=peft_config, model_dtype="float32", quantization=None)  # fmt: skip
+    header = dict(base=base, dtype="float32", parameters=["model.norm.weight"],
+                  noise={"seed": 0, "table_size": CHUNK}, space=space, settings={})  # fmt: skip
+    os.makedirs(folder, exist_ok=True)
+    return Chain(header, [{"step": 0, "update": None}]).save(str(folder))
+
+
+SGD = {"module": "torch.optim", "class": "SGD", "defaults": {"lr": 1.0}}
+CRAFTED = {
+    "a low-rank target naming no parameter": (
+        {"kind": "lowrank", "rank": 1, "targets": ["model.nowhere.weight"]}, None, "header.space.targets"),
+    "an optimizer group naming no parameter": (
+        {"kind": "full", "groups": None, "optimizer": {**SGD, "groups": [{"lr": 1.0, "parameters": ["nowhere"]}]}},
+        None, r"header.space.optimizer.groups\[0\].parameters"),
+    "an optimizer without groups": ({"kind": "full", "groups": None, "optimizer": SGD}, None,
+                                    "header.space.optimizer.groups"),
+    "a merge without models": ({"kind": "merge", "density": 0.5, "seed": 0, "models": []}, None,
+                               "header.space.models"),
+    "a non-numeric adapter rank": ({"kind": "full", "groups": None},
+                                   {"peft_type": "LORA", "r": "eight", "lora_alpha": 16}, "header.base.peft_config.r"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CRAFTED)
+def test_a_crafted_chain_header_is_one_line_from_replay(tmp_path, tiny_model_dir, capsys, case):
+    """Item 13: each was a traceback from inside the replay (--force gets past the base's SHA-256): now the chain is
+    refused as it is loaded, naming the field."""
+    space, peft_config, field = CRAFTED[case]
+    path = chain_file(tmp_path / "chain", space, peft_config)
+    out = tmp_path / "replayed"
+    assert cli(["replay", "--chain", path, "--base", tiny_model_dir, "--out", str(out), "--force"]) == 1
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("trl-es replay: ")
+    assert re.search(field, errors[0]) and not out.exists()
+
+
+@pytest.fixture(scope="module")
+def untokenized_moe_dir(tmp_path_factory, tiny_moe_dir):
+    """The tiny Qwen3-MoE's weights and config without its tokenizer (transformers makes a one-token tokenizer)."""
+    folder = tmp_path_factory.mktemp("untokenized")
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(os.path.join(tiny_moe_dir, name), folder)
+    return str(folder)
+
+
+def test_a_base_without_tokenizer_files_is_refused_by_replay_in_one_line(tmp_path, untokenized_moe_dir, capsys):
+    """Item 15: replay exited 0 after writing a one-token tokenizer into the rebuilt model."""
+    path = chain_file(tmp_path / "chain", {"kind": "full", "groups": None})
+    out = tmp_path / "replayed"
+    assert cli(["replay", "--chain", path, "--base", untokenized_moe_dir, "--out", str(out), "--force"]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("trl-es replay")]
+    assert len(errors) == 1 and f"{untokenized_moe_dir} holds no tokenizer" in errors[0] and not out.exists()
+
+
+def test_a_base_without_tokenizer_files_is_refused_by_es_trainer(tmp_path, untokenized_moe_dir, prompt_dataset):
+    """Item 15: ESTrainer took the one-token tokenizer and died with IndexError."""
+    with pytest.raises(ValueError, match="holds no tokenizer .*save the tokenizer"):
+        ESTrainer(untokenized_moe_dir, reward, args=es_config(tmp_path), train_dataset=prompt_dataset)
