@@ -7,15 +7,20 @@ import re
 import shutil
 
 import pytest
+import torch
 import transformers.modeling_utils
-from helpers import es_config
+from helpers import build_tiny_model, es_config
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 from transformers.trainer_utils import get_last_checkpoint
 
 from trl_es import ESTrainer
 from trl_es.chains import Chain
 from trl_es.cli import main as cli
 from trl_es.es.noise import CHUNK
+from trl_es.es.params import upcast
 from trl_es.util import atomic
+from trl_es.util.deltas import DELTA_FILE, load_delta, write_model_delta
 
 
 def reward(completions, **kwargs):
@@ -142,6 +147,36 @@ def test_a_crafted_chain_header_is_one_line_from_replay(tmp_path, tiny_model_dir
 
 
 @pytest.fixture(scope="module")
+def bf16_model_dir(tmp_path_factory, tokenizer_dir):
+    """The tiny model stored in bfloat16."""
+    return build_tiny_model(tmp_path_factory.mktemp("bf16") / "model", tokenizer_dir, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("trained", ["every parameter", "es_parameter_patterns"])
+def test_the_sparse_delta_of_a_bfloat16_base_rebuilds_the_float32_theta_on_that_base(
+    tmp_path, bf16_model_dir, trained
+):
+    """Item 14: with bf16=True θ is float32 over a bfloat16 base (`upcast`, as training does). Its delta named a
+    float32 base that apply-delta refused (every parameter), or rounded θ to bfloat16 (some parameters); now applied
+    to the stored base it gives θ exactly."""
+    model = AutoModelForCausalLM.from_pretrained(bf16_model_dir, dtype=torch.bfloat16)
+    named = dict(model.named_parameters())
+    es = {name: p for name, p in named.items() if trained == "every parameter" or ".mlp." in name}
+    upcast(es)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in es.values():
+            p.add_(torch.randn_like(p) * 1e-3)  # most of it below bfloat16's rounding step
+    write_model_delta(model, str(tmp_path), tau=0.0)
+    applied = tmp_path / "applied"
+    assert cli(["apply-delta", "--base", bf16_model_dir, "--delta", str(tmp_path / DELTA_FILE),
+                "--out", str(applied)]) == 0  # fmt: skip
+    rebuilt = load_file(applied / "model.safetensors")
+    assert all(torch.equal(rebuilt[name], p.detach()) for name, p in named.items() if name in rebuilt)
+    assert {rebuilt[name].dtype for name in es} == {torch.float32}
+
+
+@pytest.fixture(scope="module")
 def untokenized_moe_dir(tmp_path_factory, tiny_moe_dir):
     """The tiny Qwen3-MoE's weights and config without its tokenizer (transformers makes a one-token tokenizer)."""
     folder = tmp_path_factory.mktemp("untokenized")
@@ -163,3 +198,40 @@ def test_a_base_without_tokenizer_files_is_refused_by_es_trainer(tmp_path, untok
     """Item 15: ESTrainer took the one-token tokenizer and died with IndexError."""
     with pytest.raises(ValueError, match="holds no tokenizer .*save the tokenizer"):
         ESTrainer(untokenized_moe_dir, reward, args=es_config(tmp_path), train_dataset=prompt_dataset)
+
+
+def test_a_moe_routing_to_more_experts_than_it_has_is_refused_at_construction(tmp_path, tiny_moe_dir, prompt_dataset):
+    """Item 17: top-5 of 4 experts failed inside torch in the first step."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_dir, num_experts_per_tok=5)
+    with pytest.raises(ValueError, match="num_experts_per_tok=5 experts, but its layers have num_experts=4"):
+        ESTrainer(model, reward, args=es_config(tmp_path), train_dataset=prompt_dataset)
+
+
+def test_sparsify_replaces_no_file_unless_told_and_never_the_models_own(tmp_path, tiny_model_dir, capsys):
+    """Item 17: `--out` onto an existing file replaced it, even the tuned model's own weights."""
+    tuned = tmp_path / "tuned"
+    shutil.copytree(tiny_model_dir, tuned)
+    weights, taken = tuned / "model.safetensors", tmp_path / "taken.safetensors"
+    original = weights.read_bytes()
+    taken.write_text("mine")
+    sparsify = ["sparsify", "--base", tiny_model_dir, "--tuned", str(tuned), "--tau", "0.1", "--out"]
+    for out, extra in ((weights, ["--overwrite"]), (taken, [])):
+        with pytest.raises(SystemExit, match="2"):  # argparse's error: usage and one line
+            cli([*sparsify, str(out), *extra])
+    errors = capsys.readouterr().err
+    assert f"--out {weights} is inside the model {tuned}" in errors and "pass --overwrite" in errors
+    assert weights.read_bytes() == original and taken.read_text() == "mine"
+    assert cli([*sparsify, str(taken), "--overwrite"]) == 0
+    assert load_delta(str(taken))[1]["base_model"] == tiny_model_dir
+
+
+def test_the_old_sparse_module_still_has_metadata_keys():
+    """Item 17: `trl_es.research.sparse` kept its other names for one release, but not METADATA_KEYS."""
+    import warnings
+
+    from trl_es.util import deltas
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from trl_es.research import sparse
+    assert sparse.METADATA_KEYS is deltas.METADATA_KEYS
