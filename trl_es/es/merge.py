@@ -325,6 +325,17 @@ class MergeSpace(SearchSpace):
         return {"kind": self.name, "density": self.density, "seed": self.seed, "models": self.models}
 
     @staticmethod
+    def check_chain_header(header: dict, parameters: list[str]) -> str | None:
+        models = header.get("models")
+        listed = isinstance(models, list) and models and all(isinstance(model, dict) for model in models)
+        if not listed or not all(isinstance(m.get("path"), str) and isinstance(m.get("sha256"), str) for m in models):
+            return "header.space.models must list the merged models, each with its path and sha256"
+        density, seed = header.get("density"), header.get("seed")
+        if type(density) not in (int, float) or not 0 < density <= 1:
+            return "header.space.density must be a number in (0, 1]"
+        return None if type(seed) is int else "header.space.seed must be an integer"
+
+    @staticmethod
     def replayer(header: dict, weights, load_model):
         """θ of a step is the merge of the chain's base (the weights held now) with the recorded coefficients."""
         tuned = {}

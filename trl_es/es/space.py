@@ -269,6 +269,12 @@ class SearchSpace:
         raise NotImplementedError
 
     @staticmethod
+    def check_chain_header(header: dict, parameters: list[str]) -> str | None:
+        """The first problem of a `space` header read from a chain file (a field `replayer` reads of the wrong type,
+        or naming none of the chain's `parameters`), as a phrase; None when it has none."""
+        return None
+
+    @staticmethod
     def replayer(header: dict, weights, load_model: Callable) -> Callable[[dict], None]:
         """A function applying a recorded update (`tell`'s record) to `weights` (a `LocalWeights` holding the
         chain's base, θ of each step captured before its update) bitwise as `tell` did (with an optimizer, its
@@ -280,6 +286,15 @@ class SearchSpace:
 
     def load_state(self, folder: str) -> None:
         """Read what `save_state` wrote."""
+
+
+def names_problem(field: str, names, parameters: list[str]) -> str | None:
+    """The problem of `names`, a chain header's list of parameter names at `field`: not a list of names, or naming
+    one that is not among the chain's `parameters`; None when it has none."""
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        return f"{field} must be a list of parameter names"
+    unknown = sorted(set(names) - set(parameters))
+    return f"{field} names {unknown[0]!r}, which is not one of header.parameters" if unknown else None
 
 
 def step_optimizer(optimizer: torch.optim.Optimizer, params: dict[str, torch.Tensor], learning_rates: list[float]):

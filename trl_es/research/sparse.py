@@ -6,6 +6,7 @@ import warnings
 from ..util.deltas import (  # noqa: F401
     DELTA_FILE,
     FORMAT,
+    METADATA_KEYS,
     apply_delta,
     check_same_architecture,
     delta_entries,

@@ -14,8 +14,9 @@ run). `push_to_hub(chain_only=True)` publishes just the chain and a model card s
 
 Every save is atomic (`trl_es.util.atomic`): a checkpoint is written whole into `<output_dir>/.staging/checkpoint-K`,
 flushed to disk and renamed to `checkpoint-K`, and only then are older checkpoints rotated away, so a crash at any
-moment leaves every `checkpoint-K` complete and `resume_from_checkpoint=True` (the newest one) resumable; a saved
-model's files appear together or not at all. A run holds a lock on its `output_dir` (`.trl-es.lock`), so a second
+moment leaves every `checkpoint-K` complete and `resume_from_checkpoint=True` (the newest one) resumable (a
+`checkpoint-K` written again is moved aside first; one a crash left there is put back when the next run starts); a
+saved model's files appear together or not at all (a crash among them is finished when the next run starts). A run holds a lock on its `output_dir` (`.trl-es.lock`), so a second
 run writing into the same directory is refused rather than mixing its checkpoints with the first's.
 """
 
@@ -33,7 +34,13 @@ from ..chains import FILE as CHAIN_FILE
 from ..chains import Chain
 from ..es.weights import weights_hash
 from ..util import deltas
-from ..util.atomic import atomic_directory, atomic_write_text, publish_directory
+from ..util.atomic import (
+    atomic_directory,
+    atomic_write_text,
+    clear_crashed_staging,
+    publish_directory,
+    restore_replaced,
+)
 from .config import marked
 
 
@@ -94,7 +101,8 @@ class SavingMixin:
     def lock_output_dir(self) -> None:
         """Hold an exclusive `flock` on `<output_dir>/.trl-es.lock` for the run (main process): a second run writing
         checkpoints into the same directory (a requeued job while the old one still runs) is refused instead of
-        interleaving its staged files with the first's. The operating system releases it when the process dies."""
+        interleaving its staged files with the first's. The operating system releases it when the process dies.
+        Holding it, the run repairs what a crashed one left: a replaced checkpoint, a save cut short."""
         if not self.args.should_save or self._lock is not None:
             return
         import fcntl
@@ -114,6 +122,8 @@ class SavingMixin:
             ) from None
         lock.seek(0), lock.truncate(), lock.write(str(os.getpid())), lock.flush()
         self._lock = lock
+        restore_replaced(self.args.output_dir)  # a checkpoint a crash left moved aside, findable again
+        clear_crashed_staging(self.args.output_dir)  # a save_model a crash cut short, finished
 
     def unlock_output_dir(self) -> None:
         if self._lock is not None:

@@ -74,6 +74,7 @@ def prepare_model(model, args, processing_class=None, peft_config=None, quantiza
     if peft_config is not None:
         model = add_adapter(model, peft_config, args.seed)
     check_quantized(model)
+    check_experts(model)
     if processing_class is None:
         processing_class = load_processing_class(model_path, model, args.trust_remote_code)
     tokenizer = check_processing_class(processing_class, model)
@@ -96,6 +97,24 @@ def check_quantized(model) -> None:
         "quantized base: peft_config=LoraConfig(...) (`use_peft: true` in a `trl-es es` recipe), or "
         "es_adapter_only=True with an adapter directory"
     )
+
+
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""The config fields that hold a mixture of experts' number of experts (Qwen-MoE's, Mixtral's, DeepSeek's)."""
+
+
+def check_experts(model) -> None:
+    """A ValueError for a mixture of experts whose config routes each token to more experts than a layer has
+    (`num_experts_per_tok`): torch would fail inside the first member's forward pass."""
+    config = model.config.get_text_config()
+    top_k = getattr(config, "num_experts_per_tok", None)
+    field = next((name for name in EXPERT_COUNTS if getattr(config, name, None)), None)
+    if top_k and field and top_k > getattr(config, field):
+        raise ValueError(
+            f"the model's config routes each token to num_experts_per_tok={top_k} experts, but its layers have "
+            f"{field}={getattr(config, field)}: set num_experts_per_tok to at most {getattr(config, field)} in its "
+            "config.json"
+        )
 
 
 def check_optimizers(args, optimizers, optimizer_cls_and_kwargs) -> None:

@@ -2,8 +2,12 @@
 
 Everything is first written into a staging directory beside its destination, made durable (`fsync` of every file
 and directory), then renamed into place: `os.replace` of one file or of a whole new directory is atomic on POSIX
-filesystems. Files that join an existing directory (a model saved into a run's output directory) are renamed one by
-one with Ctrl-C held back, so the directory holds the old files or the new ones, never a file cut short.
+filesystems. A directory that replaces another is renamed in after the old one is moved aside (beside it, as
+`.<name>.replaced`): a crash between the two renames leaves the old one whole there, and `restore_replaced` puts it
+back. Files that join an existing directory (a model saved into a run's output directory) are renamed one by one
+with Ctrl-C held back, after their complete staging is renamed to `….publishing`: a crash among those renames is
+finished by the next save of that directory (`clear_crashed_staging`), so the directory never stays a mix of two
+saves.
 """
 
 from __future__ import annotations
@@ -50,19 +54,43 @@ def interrupts_held():
             signal.raise_signal(signal.SIGINT)
 
 
+REPLACED = ".replaced"
+"""The suffix of `.<name>.replaced`, where `publish_directory` moves the directory it replaces, `<name>`."""
+
+
+def _replaced(target: str) -> str:
+    parent, name = os.path.split(os.path.abspath(target))
+    return os.path.join(parent, f".{name}{REPLACED}")
+
+
 def publish_directory(staging: str, target: str) -> None:
     """Make the complete directory `staging` appear at `target` in one rename (an existing directory `target` is
-    replaced; anything else there is a FileExistsError, and stays as it was)."""
+    replaced; anything else there is a FileExistsError, and stays as it was). The directory replaced is moved aside
+    to `.<target>.replaced` first: a crash before the second rename leaves it whole there (`restore_replaced`)."""
     if os.path.lexists(target) and not os.path.isdir(target):
         raise FileExistsError(f"{target} exists and is not a directory: trl-es saves a directory there; move it away")
     fsync_tree(staging)
-    replaced = f"{staging}.replaced"
+    replaced = _replaced(target)
     with interrupts_held():
         if os.path.exists(target):
+            shutil.rmtree(replaced, ignore_errors=True)  # an earlier crash's, after its directory was published
             os.replace(target, replaced)
         os.replace(staging, target)
         fsync_directory(os.path.dirname(os.path.abspath(target)))
         shutil.rmtree(replaced, ignore_errors=True)
+
+
+def restore_replaced(parent: str) -> None:
+    """Put back each directory of `parent` that a crash left moved aside (`.<name>.replaced`, `publish_directory`)
+    where nothing was published in its place; remove it where its successor was."""
+    for entry in os.listdir(parent):
+        moved = os.path.join(parent, entry)
+        if entry.startswith(".") and entry.endswith(REPLACED) and os.path.isdir(moved):
+            target = os.path.join(parent, entry[1 : -len(REPLACED)])
+            if os.path.lexists(target):
+                shutil.rmtree(moved, ignore_errors=True)
+            else:
+                os.replace(moved, target)
 
 
 def _alive(pid: int) -> bool:
@@ -75,15 +103,31 @@ def _alive(pid: int) -> bool:
     return True
 
 
+PUBLISHING = ".publishing"
+"""The suffix a complete staging directory takes when its files start moving into an existing directory."""
+
+
 def clear_crashed_staging(target: str) -> None:
-    """Remove the staging directories of `target` that a process no longer alive left behind (a SIGKILL, or an
-    interrupt that came before its own clean-up); a live process's staging is left alone."""
+    """Clear what a process no longer alive (a SIGKILL, or an interrupt that came before its own clean-up) left of
+    its save of `target`: a staging directory is removed, and a save whose renames into `target` had begun
+    (`….publishing`) is finished. A live process's staging is left alone."""
     parent, name = os.path.split(os.path.abspath(target))
     prefix = f".{name}."
     for entry in os.listdir(parent) if os.path.isdir(parent) else ():
         pid = entry[len(prefix) :].split(".", 1)[0]
-        if entry.startswith(prefix) and entry.endswith(".partial") and pid.isdigit() and not _alive(int(pid)):
+        if not (entry.startswith(prefix) and pid.isdigit()) or _alive(int(pid)):
+            continue
+        if entry.endswith(PUBLISHING) and os.path.isdir(target):
+            _move_files(os.path.join(parent, entry), target)
+        if entry.endswith((".partial", PUBLISHING)):
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
+def _move_files(folder: str, target: str) -> None:
+    """Rename every file of `folder` into the directory `target` (replacing those of the same names), durably."""
+    for name in os.listdir(folder):
+        os.replace(os.path.join(folder, name), os.path.join(target, name))
+    fsync_directory(target)
 
 
 def _umask() -> int:
@@ -104,7 +148,8 @@ def staging_directory(prefix: str, parent: str) -> str:
 def atomic_directory(target: str):
     """Yield a staging directory to fill; on success its files appear in `target` (created if missing; existing
     files of the same names replaced), on an exception `target` is left as it was and the staging removed. The
-    staging is named after this process, so the next save of `target` clears what a killed one left."""
+    staging is named after this process, so the next save of `target` clears what a killed one left, or finishes
+    its renames into `target`."""
     parent = os.path.dirname(os.path.abspath(target))
     os.makedirs(parent, exist_ok=True)
     clear_crashed_staging(target)
@@ -119,9 +164,12 @@ def atomic_directory(target: str):
             return
         fsync_tree(staging)
         with interrupts_held():
-            for name in os.listdir(staging):
-                os.replace(os.path.join(staging, name), os.path.join(target, name))
-        fsync_directory(target)
+            publishing = staging.removesuffix(".partial") + PUBLISHING
+            os.replace(staging, publishing)  # from here, a crash is finished by the next save (clear_crashed_staging)
+            staging = None
+            fsync_directory(parent)
+            _move_files(publishing, target)
+            os.rmdir(publishing)
     finally:
         with interrupts_held():  # a second Ctrl-C does not cut the clean-up short
             if staging is not None:

@@ -10,7 +10,8 @@ changes. With Δ = θ_tuned − θ_base (computed in float32):
 - a delta file (safetensors) stores, per tensor, which entries are kept and θ_tuned's values there, with the base's
   identity and a hash of its weights; applied onto the same base it rebuilds the thresholded model bitwise. Kept
   positions are flat int32 indices when fewer than 1/32 of a tensor's entries are kept, else a packed bit mask
-  (1 bit per entry), whichever is smaller; values keep the parameter's dtype (exactness).
+  (1 bit per entry), whichever is smaller; values keep the wider of the base's and the tuned parameter's dtype
+  (exactness: a float32 θ trained over a bfloat16 base with `ESConfig.bf16` stays float32 where the delta applies).
 
 Tensors are dicts name → tensor, e.g. `dict(model.named_parameters())` (tied weights appear once).
 """
@@ -33,6 +34,9 @@ from ..es.weights import weights_hash
 FORMAT = "trl-es-sparse-delta/1"
 DELTA_FILE = "sparse_delta.safetensors"
 """The delta's file name in a saved model's directory (`write_model_delta`)."""
+
+MASTER_OVER_HALF = {(torch.float32, torch.bfloat16), (torch.float32, torch.float16)}
+"""(values, base) dtypes a delta may pair besides equal ones: a float32 θ trained over a half-precision base."""
 
 
 def check_same_architecture(base: Mapping[str, torch.Tensor], tuned: Mapping[str, torch.Tensor]) -> None:
@@ -144,7 +148,8 @@ def save_delta(
             tensors[f"{name}.indices"] = flat.nonzero().flatten().to(index_dtype)
         else:
             tensors[f"{name}.mask"] = torch.from_numpy(np.packbits(flat.numpy()))
-        tensors[f"{name}.values"] = tuned[name].detach().flatten().cpu()[flat].to(base[name].dtype).contiguous()
+        dtype = torch.promote_types(base[name].dtype, tuned[name].dtype)
+        tensors[f"{name}.values"] = tuned[name].detach().flatten().cpu()[flat].to(dtype).contiguous()
         kept += count
     total = sum(t.numel() for t in base.values())
     metadata = {
@@ -193,9 +198,9 @@ METADATA_KEYS = (
 
 
 def apply_delta(base: Mapping[str, torch.Tensor], path: str, force: bool = False) -> dict[str, torch.Tensor]:
-    """The thresholded model: a copy of `base` with the delta's entries written in. Every field of the file is
-    checked against the base before anything is written (`delta_entries`); a delta made from other base weights
-    (hash mismatch) is refused unless `force`."""
+    """The thresholded model: a copy of `base` with the delta's entries written in (a half-precision tensor given
+    float32 values becomes float32). Every field of the file is checked against the base before anything is written
+    (`delta_entries`); a delta made from other base weights (hash mismatch) is refused unless `force`."""
     tensors, metadata = load_delta(path)
     entries = delta_entries(tensors, metadata, base, path)
     if not force and metadata["base_hash"] != weights_hash(base):
@@ -206,7 +211,7 @@ def apply_delta(base: Mapping[str, torch.Tensor], path: str, force: bool = False
         )
     result = {name: t.detach().clone() for name, t in base.items()}
     for name, (positions, values) in entries.items():
-        target = result[name]
+        target = result[name] = result[name].to(values.dtype)
         target.view(-1)[positions.to(target.device)] = values.to(target.device)
     return result
 
@@ -216,7 +221,8 @@ def delta_entries(
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{parameter: (flat positions, values)} of a delta, each field checked against `base`: the metadata keys and
     shapes, every tensor's name, positions (integers in range, no duplicates; a mask of the parameter's length), as
-    many values as positions, in the parameter's dtype, finite. A ValueError names the first problem."""
+    many values as positions, in the parameter's dtype (or float32 over a half-precision one), finite. A ValueError
+    names the first problem."""
     missing = [key for key in METADATA_KEYS if key not in metadata]
     try:
         shapes = json.loads(metadata["shapes"]) if not missing else None
@@ -244,7 +250,7 @@ def delta_entries(
             raise ValueError(
                 f"the delta {path!r} has {values.numel()} values of {name!r} for {positions.numel()} entries"
             )
-        if values.dtype != target.dtype:
+        if values.dtype != target.dtype and (values.dtype, target.dtype) not in MASTER_OVER_HALF:
             raise ValueError(f"the delta {path!r} has values of {name!r} in dtype {values.dtype}, not {target.dtype}")
         if not torch.isfinite(values).all():
             raise ValueError(f"the delta {path!r} has values of {name!r} that are not finite")
@@ -274,7 +280,7 @@ def _positions(tensors: Mapping[str, torch.Tensor], name: str, numel: int, path:
 
 def write_model_delta(model, output_dir: str, tau: float) -> dict[str, str] | None:
     """Write `output_dir/sparse_delta.safetensors` for a trained `model` (|θ − θ_start| > τ, θ_start reloaded from
-    the model's own path) and return its statistics for the model card; None, with a warning, when the starting
+    the model's own path in its stored dtype, as `trl-es apply-delta` loads it) and return its statistics for the model card; None, with a warning, when the starting
     weights cannot be loaded."""
     import warnings
 
@@ -282,7 +288,7 @@ def write_model_delta(model, output_dir: str, tau: float) -> dict[str, str] | No
 
     base_path = get_config_model_id(model.config)
     try:
-        base_model = type(model).from_pretrained(base_path, dtype=model.dtype)
+        base_model = type(model).from_pretrained(base_path, dtype="auto")
     except OSError as error:
         warnings.warn(f"No sparse delta written: cannot load the starting weights at {base_path!r} ({error}).")
         return None

@@ -211,11 +211,25 @@ def quantization_name(model) -> str:
     return f"{method} {bits}" if bits else method
 
 
+def check_tokenizer_files(path: str) -> None:
+    """A ValueError when the local directory `path` holds no tokenizer file: transformers would make a tokenizer of
+    one token from its config alone (or fail deep inside)."""
+    if os.path.isdir(path) and not any(
+        name.startswith(("tokenizer", "vocab", "spiece", "sentencepiece")) or name.endswith(".tiktoken")
+        for name in os.listdir(path)
+    ):
+        raise ValueError(
+            f"{path} holds no tokenizer (no tokenizer.json, tokenizer_config.json or vocabulary file): save the "
+            "tokenizer of the model it was made from into it (tokenizer.save_pretrained)"
+        )
+
+
 def load_tokenizer(path: str | None, model, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer (left padding, for generation) from `path` when it holds one — a checkpoint or adapter carries
     its own tokenizer and chat template — else from the model's own id."""
     if path is None or not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
         path = get_config_model_id(model.config)
+    check_tokenizer_files(path)
     return AutoTokenizer.from_pretrained(
         path, padding_side="left", truncation_side="left", trust_remote_code=trust_remote_code
     )
@@ -233,6 +247,7 @@ def load_processing_class(path: str | None, model, trust_remote_code: bool = Fal
         return load_tokenizer(path, model, trust_remote_code)
     if path is None or not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
         path = get_config_model_id(model.config)
+    check_tokenizer_files(path)
     return AutoProcessor.from_pretrained(
         path, padding_side="left", truncation_side="left", trust_remote_code=trust_remote_code
     )
