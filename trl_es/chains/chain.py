@@ -414,7 +414,9 @@ def _check_content(data: dict, path: str) -> None:
     require(isinstance(header, dict), "the header is missing")
     base, noise, space = header.get("base"), header.get("noise"), header.get("space")
     require(isinstance(base, dict) and isinstance(base.get("model"), str), "header.base.model must be a string")
-    require(isinstance(base.get("sha256"), str) and len(base["sha256"]) == 64, "header.base.sha256 must be a SHA-256")
+    is_sha256 = lambda value: isinstance(value, str) and len(value) == 64  # noqa: E731
+    require(is_sha256(base.get("sha256")), "header.base.sha256 must be a SHA-256")
+    require(base.get("frozen_sha256") is None or is_sha256(base["frozen_sha256"]), "bad header.base.frozen_sha256")
     require(base.get("peft_config") is None or isinstance(base["peft_config"], dict), "bad header.base.peft_config")
     require(base.get("path") is None or isinstance(base["path"], str), "header.base.path must be a string")
     require(header.get("dtype") in DTYPES, f"header.dtype must be one of {DTYPES}")

@@ -12,12 +12,13 @@ started from, over the ES parameters (`ANCHOR_FILE`): a resumed run pulls toward
 chain's base SHA-256 (one extra copy of the ES parameters per checkpoint on disk, and in host memory during the
 run). `push_to_hub(chain_only=True)` publishes just the chain and a model card saying how to replay it.
 
-Every save is atomic (`trl_es.util.atomic`): a checkpoint is written whole into `<output_dir>/.staging/checkpoint-K`,
-flushed to disk and renamed to `checkpoint-K`, and only then are older checkpoints rotated away, so a crash at any
-moment leaves every `checkpoint-K` complete and `resume_from_checkpoint=True` (the newest one) resumable (a
-`checkpoint-K` written again is moved aside first; one a crash left there is put back when the next run starts); a
-saved model's files appear together or not at all (a crash among them is finished when the next run starts). A run holds a lock on its `output_dir` (`.trl-es.lock`), so a second
-run writing into the same directory is refused rather than mixing its checkpoints with the first's.
+Every save is atomic (`trl_es.util.atomic`): a checkpoint is written whole into
+`<output_dir>/.staging/checkpoint-K`, flushed to disk and renamed to `checkpoint-K`, and only then are older
+checkpoints rotated away, so a crash at any moment leaves every `checkpoint-K` complete and
+`resume_from_checkpoint=True` (the newest one) resumable (a `checkpoint-K` written again is moved aside first; one a
+crash left there is put back when the next run starts); a saved model's files appear together or not at all (a crash
+among them is finished when the next run starts). A run holds a lock on its `output_dir` (`.trl-es.lock`), so a
+second run writing into the same directory is refused rather than mixing its checkpoints with the first's.
 """
 
 from __future__ import annotations
