@@ -290,6 +290,9 @@ def test_vllm_settings_without_meaning_are_refused(tmp_path, overrides, message)
         ("ia3", {}, "LoRA adapters only"),
         ("lora", {"vllm_mode": "server"}, "vllm_mode='server'"),
         ("lora", {"es_search_space": "lowrank"}, "es_search_space='lowrank'"),
+        ("embedding", {}, r"'model.embed_tokens' \(target_modules\) is an embedding"),
+        ("tokens", {}, "trainable_token_indices"),
+        ("rank", {}, "rank 600.*up to 512"),
     ],
 )
 def test_vllm_refuses_what_its_lora_slots_cannot_hold(
@@ -307,6 +310,9 @@ def test_vllm_refuses_what_its_lora_slots_cannot_hold(
         "modules_to_save": LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]),
         "bias": LoraConfig(r=2, target_modules=["q_proj"], bias="lora_only"),
         "ia3": IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]),
+        "embedding": LoraConfig(r=2, target_modules=["q_proj", "embed_tokens"]),
+        "tokens": LoraConfig(r=2, target_modules=["q_proj"], trainable_token_indices=[1, 2]),
+        "rank": LoraConfig(r=600, target_modules=["q_proj"]),
     }
     with pytest.raises(ValueError, match=message):
         ESTrainer(

@@ -77,7 +77,12 @@ def start_engine(model, tokenizer, args, accelerator, params) -> Colocated | Ser
         return Server(args, urls[0]) if len(urls) == 1 else Servers(args, urls)
     if is_peft_model(model):
         modules = adapter_modules(model, params)
-        rank = max(int(p.shape[0]) for name, p in params.items() if ".lora_A." in name)
+        rank = max(int(model.get_parameter(a).shape[0]) for _, a, _, _ in modules)  # A's too where ES trains B alone
+        if rank > LORA_RANKS[-1]:
+            raise ValueError(
+                f"use_vllm=True with an adapter of LoRA rank {rank}: vLLM's LoRA slots hold ranks up to "
+                f"{LORA_RANKS[-1]}. Use a lower rank (LoraConfig's r) or use_vllm=False"
+            )
         lora = {"enable_lora": True, "max_loras": args.population_size + 2, "max_cpu_loras": args.population_size + 2,
                 "max_lora_rank": next(r for r in LORA_RANKS if r >= rank),
                 "lora_target_modules": sorted({module.rpartition(".")[2] for module, *_ in modules})}  # fmt: skip
@@ -110,9 +115,15 @@ def adapter_modules(model, params: dict) -> list[list]:
         why = f"modules_to_save={config.modules_to_save} are whole trained modules, which LoRA slots cannot hold"
     elif getattr(config, "bias", "none") != "none":
         why = f"bias={config.bias!r}: vLLM's LoRA slots have no bias"
+    elif getattr(config, "trainable_token_indices", None):
+        why = "trainable_token_indices trains rows of the embedding, which vLLM's LoRA slots cannot hold"
     if why is None:
         modules, names = [], set()
         for name, module in model.named_modules():
+            if isinstance(module, LoraLayer) and "default" in getattr(module, "lora_embedding_A", {}):
+                embedding = name.removeprefix("base_model.model.")
+                why = f"{embedding!r} (target_modules) is an embedding; vLLM's LoRA slots take Linear layers here"
+                break
             if isinstance(module, LoraLayer) and "default" in module.lora_A:
                 if getattr(module, "parameter_name", None):  # PEFT's target_parameters (a MoE's expert tensors)
                     why = f"{name!r} adapts its tensor {module.parameter_name!r} (target_parameters), not a Linear"
@@ -127,7 +138,10 @@ def adapter_modules(model, params: dict) -> list[list]:
         if why is None and outside:
             why = f"ES would train {outside[0]!r}, which is not a LoRA A/B weight"
     if why is not None:
-        raise ValueError(f"use_vllm=True cannot evaluate this adapter's members in vLLM's LoRA slots: {why}")
+        raise ValueError(
+            f"use_vllm=True cannot evaluate this adapter's members in vLLM's LoRA slots: {why}. Train it with "
+            "use_vllm=False"
+        )
     return modules
 
 

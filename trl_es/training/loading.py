@@ -208,7 +208,7 @@ def check_processing_class(processing_class, model) -> PreTrainedTokenizerBase:
             f"processor (ProcessorMixin); got {type(processing_class).__name__}"
         )
     tokenizer = text_tokenizer(processing_class)
-    rows = model.get_input_embeddings().num_embeddings
+    rows = model.get_input_embeddings().weight.shape[0]  # PEFT's embedding wrappers have no num_embeddings
     if len(tokenizer) > rows:
         raise ValueError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's embedding only {rows} rows: they do not "
