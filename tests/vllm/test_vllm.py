@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from datasets import Dataset
-from helpers import build_tiny_model, es_config
+from helpers import build_tiny_model, es_config, solid_image
 from vllm_scenarios import VLLM_MODEL
 
 
@@ -377,6 +377,25 @@ def test_an_adapter_through_vllm_replays_resumes_and_restores(adapters):
     assert adapters["chain_replays"] and adapters["resume_same_weights"]
     assert adapters["failure_error"] == "reward server down" and adapters["failure_steps_done"] == 1
     assert adapters["failure_vllm_holds_theta"]
+
+
+@pytest.mark.parametrize("use_vllm", [False, True])
+def test_images_shown_to_a_text_model_are_refused_with_the_reason(tiny_model_dir, use_vllm):
+    """A text model's prompts holding images (an iterable dataset's, whose columns construction cannot see): both
+    backends refuse them with the same reason, vLLM's before any engine call."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_es.generation import TransformersGeneration, VLLMGeneration, decoding_config
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    settings = (model, tokenizer, decoding_config(tokenizer, [0], 4, do_sample=False), [0], None)
+    generation = VLLMGeneration(None, *settings) if use_vllm else TransformersGeneration(*settings)  # no engine
+    prompt = [
+        {"role": "user", "content": [{"type": "image", "image": solid_image(9)}, {"type": "text", "text": "Hi"}]}
+    ]
+    with pytest.raises(ValueError, match="images reached the generation of a model without a processor"):
+        generation.generate([prompt], [[1, 2, 3]], 1, [0])
 
 
 def test_vllm_serve_command(tmp_path):

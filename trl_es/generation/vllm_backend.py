@@ -222,6 +222,7 @@ class VLLMGeneration(Generation):
                 "token entropy needs the full next-token distribution, which vLLM does not return: "
                 "use_vllm=False for log_completion_entropy and eval entropy"
             )
+        self.check_images(images)
         if len(seeds) != len(rows):
             raise ValueError(f"got {len(seeds)} sampling seeds for {len(rows)} rows")
         settings = self.settings if max_new_tokens is None else {**self.settings, "max_tokens": max_new_tokens}
