@@ -379,6 +379,16 @@ def test_an_adapter_through_vllm_replays_resumes_and_restores(adapters):
     assert adapters["failure_vllm_holds_theta"]
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_evaluates_the_trainers_base_changed_in_memory(adapters):
+    """A base edited in memory before training (ES on lora_B alone): vLLM's members and centre run on the trainer's
+    base, not the base's files: the transformers path's rewards and final adapter."""
+    assert adapters["edited_hf_rewards"] != adapters["unedited_hf_rewards"]  # the edit changes what the model says
+    assert adapters["edited_vllm_rewards"] == adapters["edited_hf_rewards"]
+    assert adapters["edited_same_final_weights"]
+
+
 @pytest.mark.parametrize("use_vllm", [False, True])
 def test_images_shown_to_a_text_model_are_refused_with_the_reason(tiny_model_dir, use_vllm):
     """A text model's prompts holding images (an iterable dataset's, whose columns construction cannot see): both

@@ -379,6 +379,22 @@ def adapters(out: Path) -> dict:
 
     # a reward that fails mid-step: θ intact in the trainer and in vLLM
     failing_run(out, model_dir, 6, results, peft_config=lora_config())
+
+    # a base changed in memory (layer 0's norm and weights): vLLM evaluates the trainer's base, not the files; ES on
+    # lora_B alone
+    def edited():
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.model.layers[0].parameters():
+                p.add_(torch.randn(p.shape, generator=generator), alpha=0.5)
+        return model
+
+    only_b = dict(lora, es_parameter_patterns=[r"lora_B"])
+    _, results["unedited_hf_rewards"], _ = run(out, model_dir, "unedited-hf", **only_b)
+    edited_hf, results["edited_hf_rewards"], _ = run(out, edited(), "edited-hf", **only_b)
+    edited_vl, results["edited_vllm_rewards"], _ = run(out, edited(), "edited-vllm", use_vllm=True, **only_b)
+    results["edited_same_final_weights"] = fingerprint(edited_hf.model) == fingerprint(edited_vl.model)
     return results
 
 

@@ -56,7 +56,8 @@ def sampling_settings(generation_config: GenerationConfig, eos_token_ids: list[i
 def start_engine(model, tokenizer, args, accelerator, params) -> Colocated | Server:
     """The run's engine: a running server, or an in-process one on the model's directory (the weights are replaced
     by the trainer's at `VLLMWeights.start`), with LoRA slots for low-rank members; for an adapter, on its base's
-    directory with LoRA slots for the adapter's members."""
+    directory (its weights too replaced by the trainer's base at `start`, but for a quantized base, which vLLM
+    quantizes from its files) with LoRA slots for the adapter's members."""
     fused = next((name for name, p in model.named_parameters() if p.dim() > 2), None)  # a mixture of experts' tensor
     if fused and args.vllm_mode == "server":  # trained or not: the server's loader would write them unpacked
         raise ValueError(
@@ -145,9 +146,19 @@ def adapter_modules(model, params: dict) -> list[list]:
     return modules
 
 
+def base_weights(model) -> list[tuple[str, torch.Tensor]]:
+    """The PeftModel `model`'s base weights as the trainer holds them, under the base model's names (a LoRA layer's
+    wrapped `base_layer` is the base's layer; the adapter's weights left out)."""
+    return [
+        (name.replace(".base_layer.", "."), p.detach())
+        for name, p in model.get_base_model().named_parameters()
+        if ".lora_" not in name
+    ]
+
+
 def base_dir(base) -> str:
-    """The directory vLLM loads an adapter's base from: the base model's own (the trainer's base must be the one on
-    disk; a ValueError otherwise)."""
+    """The directory vLLM starts an adapter's base from (its config, tokenizer and, for a quantized base, weights):
+    the base model's own; a ValueError otherwise."""
     path = base.name_or_path
     if not (path and os.path.isfile(os.path.join(path, "config.json"))):
         raise ValueError(
@@ -331,14 +342,18 @@ class VLLMWeights:
         self.started = True
 
     def _start_adapter(self, payload: dict) -> None:
-        """Adapter mode: vLLM's workers take the adapter's θ (the trainer's tensors, every LoRA A/B weight) and its
-        LoRA slots; generation goes through slot 0 (θ) from then on."""
+        """Adapter mode: vLLM's workers take the trainer's base weights (a base changed in memory, e.g. with an
+        adapter merged into it, is the one vLLM evaluates; a quantized base is quantized by vLLM from its files,
+        `start_engine`), the adapter's θ (the trainer's tensors, every LoRA A/B weight) and its LoRA slots;
+        generation goes through slot 0 (θ) from then on."""
+        model = self.generation.model
         names = {name for _, a, b, _ in self.adapter for name in (a, b)}
-        tensors = [(n, p.detach()) for n, p in self.generation.model.named_parameters() if n in names]
+        tensors = [(n, p.detach()) for n, p in model.named_parameters() if n in names]
         rank = max(int(p.shape[0]) for n, p in tensors if ".lora_A." in n)
         payload = {k: payload[k] for k in ("seed", "noise_table_size", "names")}
         payload |= {"slots": self.adapter_slots, "rank": rank, "modules": self.adapter}
-        results = self.engine.rpc("es_adapter_init", payload, tensors)
+        base = None if is_quantized_model(model) else base_weights(model)
+        results = self.engine.rpc("es_adapter_init", payload, tensors, base)
         errors = [r["error"] for r in results if "error" in r]
         if errors:
             raise ValueError(f"vLLM cannot hold this adapter's members: {errors[0]}")
