@@ -362,7 +362,8 @@ def adapters(engines):
 def test_an_adapters_members_in_vllms_lora_slots_train_as_the_transformers_path(adapters):
     """LoRA through vLLM: the whole population (and the centre) in one engine call, member k in LoRA slot k+1 built
     inside vLLM's workers from its seed; greedy, the rewards and the final adapter are the transformers path's,
-    bitwise — also for CoPES groups and parameter patterns within the adapter; evaluation goes through θ's slot."""
+    bitwise — also for CoPES groups and parameter patterns within the adapter (lora_B alone); evaluation goes through
+    θ's slot."""
     assert adapters["vllm_rewards"] == adapters["hf_rewards"]
     assert adapters["same_final_weights"] and adapters["trains_the_adapter_only"]
     assert adapters["member_slot_equal"] and adapters["theta_slot_equal"]
@@ -382,11 +383,11 @@ def test_an_adapter_through_vllm_replays_resumes_and_restores(adapters):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_evaluates_the_trainers_base_changed_in_memory(adapters):
-    """A base edited in memory before training (ES on lora_B alone): vLLM's members and centre run on the trainer's
-    base, not the base's files: the transformers path's rewards and final adapter."""
-    assert adapters["edited_hf_rewards"] != adapters["unedited_hf_rewards"]  # the edit changes what the model says
-    assert adapters["edited_vllm_rewards"] == adapters["edited_hf_rewards"]
-    assert adapters["edited_same_final_weights"]
+    """A base edited in memory before training (the CoPES run): vLLM's members and centre run on the trainer's base,
+    not the base's files: the transformers path's rewards and final adapter."""
+    assert adapters["copes_hf_rewards"] != adapters["unedited_hf_rewards"]  # the edit changes what the model says
+    assert adapters["copes_vllm_rewards"] == adapters["copes_hf_rewards"]
+    assert adapters["copes_same_final_weights"]
 
 
 @pytest.mark.parametrize("use_vllm", [False, True])
