@@ -352,6 +352,26 @@ def test_an_adapter_on_a_quantized_base_through_vllm_is_refused_where_vllm_canno
         )
 
 
+def test_a_quantized_base_given_loaded_is_refused_through_vllm(tmp_path, tokenizer_dir):
+    """vLLM quantizes an adapter's 4-bit base from its files: a base given as a loaded model, which may have been
+    changed in memory, is refused before an engine starts (its path is taken)."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from trl_es import ESTrainer
+
+    model_dir = build_tiny_model(tmp_path / "model", tokenizer_dir, **VLLM_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+    with pytest.raises(ValueError, match="given as a loaded model.*Pass the model as a path"):
+        ESTrainer(
+            model,
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=es_config(tmp_path, use_vllm=True, use_cpu=True),
+            train_dataset=Dataset.from_dict({"prompt": ["Count to 3:"]}),
+            peft_config=LoraConfig(r=2, target_modules=["q_proj"]),
+        )
+
+
 @pytest.fixture(scope="module")
 def adapters(engines):
     return scenario(engines, "adapters")

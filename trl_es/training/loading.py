@@ -73,6 +73,7 @@ def prepare_model(model, args, processing_class=None, peft_config=None, quantiza
     if peft_config is not None:
         model = add_adapter(model, peft_config, args.seed)
     check_quantized(model)
+    check_vllm_quantized_base(model, args, loaded=model_path is not None)
     if processing_class is None:
         processing_class = load_processing_class(model_path, model, args.trust_remote_code)
     tokenizer = check_processing_class(processing_class, model)
@@ -94,6 +95,20 @@ def check_quantized(model) -> None:
         "its updates into the weights it trains, which quantized storage cannot hold. Train an adapter on the "
         "quantized base: peft_config=LoraConfig(...) (`use_peft: true` in a `trl-es es` recipe), or "
         "es_adapter_only=True with an adapter directory"
+    )
+
+
+def check_vllm_quantized_base(model, args, loaded: bool) -> None:
+    """A ValueError for an adapter through vLLM on a quantized base that ESTrainer did not load itself (`loaded`):
+    vLLM quantizes the base from its files, not from the trainer's quantized weights, which may have been changed in
+    memory (the unquantized base vLLM takes from the trainer, `VLLMWeights.start`)."""
+    if not (args.use_vllm and is_peft_model(model) and is_quantized_model(model.get_base_model())) or loaded:
+        return
+    path = model.get_base_model().name_or_path
+    raise ValueError(
+        f"use_vllm=True with an adapter on a quantized base given as a loaded model: vLLM quantizes the base from its "
+        f"files ({path!r}), not the trainer's weights, which may differ. Pass the model as a path (model={path!r} with "
+        "quantization_config, or an adapter directory with es_adapter_only=True) or use_vllm=False"
     )
 
 
