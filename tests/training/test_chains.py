@@ -98,6 +98,30 @@ def test_replay_of_adapters_trained_alone_and_new(tmp_path, tiny_model_dir):
     assert same_weights(load(tmp_path / "new-rebuilt", new.model), new.model)
 
 
+@pytest.mark.slow  # two adapter runs of a step each
+def test_lora_on_the_embedding_and_trainable_tokens_train_and_replay(tmp_path, tiny_model_dir):
+    """LoRA on embed_tokens, and trainable_token_indices (embedding rows trained as a delta): ES trains them, and the
+    chain replays to them."""
+    from peft import LoraConfig
+    from transformers import AutoTokenizer
+
+    tokens = sorted(set(AutoTokenizer.from_pretrained(tiny_model_dir)("Count to 1:")["input_ids"]))
+    configs = {
+        "embedding": LoraConfig(r=2, target_modules=["q_proj", "embed_tokens"]),
+        "tokens": LoraConfig(r=2, target_modules=["q_proj"], trainable_token_indices=tokens),
+    }
+    for name, config in configs.items():
+        folder = tmp_path / name
+        trainer = ESTrainer(tiny_model_dir, reward, args=es_config(folder, max_steps=1, sigma=0.5),
+                            train_dataset=PROMPTS, peft_config=config)  # fmt: skip
+        embedding = {n: p.detach().clone() for n, p in trainer.es_params.items() if "embed_tokens" in n}
+        trainer.train()
+        trainer.save_model(str(folder / "saved"))
+        assert embedding and all(not torch.equal(p, trainer.es_params[n]) for n, p in embedding.items())
+        replay(load_chain(str(folder / "saved")), tiny_model_dir, str(folder / "rebuilt"))
+        assert same_weights(load(folder / "rebuilt", trainer.model), trainer.model)
+
+
 @pytest.mark.slow  # kept out of the fast suite for time; ~5 s
 def test_steps_k_is_checkpoint_k_and_a_resumed_run_continues_its_chain(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM

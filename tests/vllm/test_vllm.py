@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from datasets import Dataset
-from helpers import build_tiny_model, es_config
+from helpers import build_tiny_model, es_config, solid_image
 from vllm_scenarios import VLLM_MODEL
 
 
@@ -290,6 +290,9 @@ def test_vllm_settings_without_meaning_are_refused(tmp_path, overrides, message)
         ("ia3", {}, "LoRA adapters only"),
         ("lora", {"vllm_mode": "server"}, "vllm_mode='server'"),
         ("lora", {"es_search_space": "lowrank"}, "es_search_space='lowrank'"),
+        ("embedding", {}, r"'model.embed_tokens' \(target_modules\) is an embedding"),
+        ("tokens", {}, "trainable_token_indices"),
+        ("rank", {}, "rank 600.*up to 512"),
     ],
 )
 def test_vllm_refuses_what_its_lora_slots_cannot_hold(
@@ -307,6 +310,9 @@ def test_vllm_refuses_what_its_lora_slots_cannot_hold(
         "modules_to_save": LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]),
         "bias": LoraConfig(r=2, target_modules=["q_proj"], bias="lora_only"),
         "ia3": IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]),
+        "embedding": LoraConfig(r=2, target_modules=["q_proj", "embed_tokens"]),
+        "tokens": LoraConfig(r=2, target_modules=["q_proj"], trainable_token_indices=[1, 2]),
+        "rank": LoraConfig(r=600, target_modules=["q_proj"]),
     }
     with pytest.raises(ValueError, match=message):
         ESTrainer(
@@ -346,6 +352,26 @@ def test_an_adapter_on_a_quantized_base_through_vllm_is_refused_where_vllm_canno
         )
 
 
+def test_a_quantized_base_given_loaded_is_refused_through_vllm(tmp_path, tokenizer_dir):
+    """vLLM quantizes an adapter's 4-bit base from its files: a base given as a loaded model, which may have been
+    changed in memory, is refused before an engine starts (its path is taken)."""
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from trl_es import ESTrainer
+
+    model_dir = build_tiny_model(tmp_path / "model", tokenizer_dir, **VLLM_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=BitsAndBytesConfig(load_in_4bit=True))
+    with pytest.raises(ValueError, match="given as a loaded model.*Pass the model as a path"):
+        ESTrainer(
+            model,
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=es_config(tmp_path, use_vllm=True, use_cpu=True),
+            train_dataset=Dataset.from_dict({"prompt": ["Count to 3:"]}),
+            peft_config=LoraConfig(r=2, target_modules=["q_proj"]),
+        )
+
+
 @pytest.fixture(scope="module")
 def adapters(engines):
     return scenario(engines, "adapters")
@@ -356,7 +382,8 @@ def adapters(engines):
 def test_an_adapters_members_in_vllms_lora_slots_train_as_the_transformers_path(adapters):
     """LoRA through vLLM: the whole population (and the centre) in one engine call, member k in LoRA slot k+1 built
     inside vLLM's workers from its seed; greedy, the rewards and the final adapter are the transformers path's,
-    bitwise — also for CoPES groups and parameter patterns within the adapter; evaluation goes through θ's slot."""
+    bitwise — also for CoPES groups and parameter patterns within the adapter (lora_B alone); evaluation goes through
+    θ's slot."""
     assert adapters["vllm_rewards"] == adapters["hf_rewards"]
     assert adapters["same_final_weights"] and adapters["trains_the_adapter_only"]
     assert adapters["member_slot_equal"] and adapters["theta_slot_equal"]
@@ -371,6 +398,35 @@ def test_an_adapter_through_vllm_replays_resumes_and_restores(adapters):
     assert adapters["chain_replays"] and adapters["resume_same_weights"]
     assert adapters["failure_error"] == "reward server down" and adapters["failure_steps_done"] == 1
     assert adapters["failure_vllm_holds_theta"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_evaluates_the_trainers_base_changed_in_memory(adapters):
+    """A base edited in memory before training (the CoPES run): vLLM's members and centre run on the trainer's base,
+    not the base's files: the transformers path's rewards and final adapter."""
+    assert adapters["copes_hf_rewards"] != adapters["unedited_hf_rewards"]  # the edit changes what the model says
+    assert adapters["copes_vllm_rewards"] == adapters["copes_hf_rewards"]
+    assert adapters["copes_same_final_weights"]
+
+
+@pytest.mark.parametrize("use_vllm", [False, True])
+def test_images_shown_to_a_text_model_are_refused_with_the_reason(tiny_model_dir, use_vllm):
+    """A text model's prompts holding images (an iterable dataset's, whose columns construction cannot see): both
+    backends refuse them with the same reason, vLLM's before any engine call."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_es.generation import TransformersGeneration, VLLMGeneration, decoding_config
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    settings = (model, tokenizer, decoding_config(tokenizer, [0], 4, do_sample=False), [0], None)
+    generation = VLLMGeneration(None, *settings) if use_vllm else TransformersGeneration(*settings)  # no engine
+    prompt = [
+        {"role": "user", "content": [{"type": "image", "image": solid_image(9)}, {"type": "text", "text": "Hi"}]}
+    ]
+    with pytest.raises(ValueError, match="images reached the generation of a model without a processor"):
+        generation.generate([prompt], [[1, 2, 3]], 1, [0])
 
 
 def test_vllm_serve_command(tmp_path):

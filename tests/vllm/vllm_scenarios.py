@@ -317,8 +317,8 @@ def lowrank(out: Path) -> dict:
 
 def adapters(out: Path) -> dict:
     """A LoRA adapter's members in vLLM's LoRA slots (the whole population in one call) against the transformers
-    path: the same rewards and adapter, CoPES and parameter patterns within the adapter, a member's slot, evaluation
-    through θ's slot, resume, chain replay, a failing reward."""
+    path: the same rewards and adapter, CoPES and parameter patterns within the adapter on a base changed in memory,
+    a member's slot, evaluation through θ's slot, resume, chain replay, a failing reward."""
     from regression_guard import lora_config
     from transformers import AutoModelForCausalLM
 
@@ -355,10 +355,20 @@ def adapters(out: Path) -> dict:
         inside._es_pairs[0][3][inside._es_slots[0], 0, :rank], vl.es_params[a_name].detach()
     )
 
-    # CoPES groups and parameter patterns within the adapter
-    within = dict(es_search_space="copes", copes_groups=2, es_parameter_patterns=[r"lora_B", r"layers\.1\..*lora_A"])
-    copes_hf, results["copes_hf_rewards"], _ = run(out, model_dir, "copes-hf", **lora, **within)
-    copes_vl, results["copes_vllm_rewards"], _ = run(out, model_dir, "copes-vllm", use_vllm=True, **lora, **within)
+    # CoPES groups and parameter patterns within the adapter (lora_B alone), on a base changed in memory (layer 0's
+    # norms and weights): vLLM evaluates the trainer's base, not the base's files
+    def edited():
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.model.layers[0].parameters():
+                p.add_(torch.randn(p.shape, generator=generator), alpha=0.5)
+        return model
+
+    within = dict(es_search_space="copes", copes_groups=2, es_parameter_patterns=[r"lora_B"])
+    _, results["unedited_hf_rewards"], _ = run(out, model_dir, "unedited-hf", **lora, **within)
+    copes_hf, results["copes_hf_rewards"], _ = run(out, edited(), "copes-hf", **lora, **within)
+    copes_vl, results["copes_vllm_rewards"], _ = run(out, edited(), "copes-vllm", use_vllm=True, **lora, **within)
     results["copes_same_final_weights"] = fingerprint(copes_hf.model) == fingerprint(copes_vl.model)
     fixed = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
     results["copes_patterns_respected"] = fixed not in copes_vl.es_params

@@ -170,6 +170,15 @@ class Generation:
         images in the order of their tokens (a vision-language model's; backends without vision take none)."""
         raise NotImplementedError
 
+    def check_images(self, images: list[list] | None) -> None:
+        """A ValueError when images reach a model without a processor (a text model, e.g. shown an iterable
+        dataset's images, whose columns ESTrainer's construction cannot see): each backend's `generate_ids` first."""
+        if images and any(images) and self.processor is None:
+            raise ValueError(
+                "images reached the generation of a model without a processor: a vision-language model and its "
+                "processor (ESTrainer's processing_class) show them to the model"
+            )
+
     def completions(self, prompts, num_generations, completion_ids, truncated, entropy_sums=None) -> Completions:
         """The Completions of `completion_ids` (each ending with its EOS unless truncated), decoded as GRPOTrainer does:
         text for text prompts, an assistant message for conversational ones."""

@@ -110,11 +110,6 @@ class TransformersGeneration(Generation):
         processor has already expanded: the image processor's tensors of each row's images (`images[r]`, in the
         order of their tokens; pixel_values and what comes with them, e.g. image_grid_thw), and the per-token type
         ids the processor gives its model (1 at image tokens), as GRPOTrainer builds them for tool images."""
-        if self.processor is None:
-            raise ValueError(
-                "images reached the generation of a model without a processor: a vision-language model and its "
-                "processor (ESTrainer's processing_class) show them to the model"
-            )
         inputs = dict(self.processor.image_processor(images=[list(row) for row in images], return_tensors="pt"))
         image_token_id = getattr(self.processor, "image_token_id", None) or self.model.config.image_token_id
         for name in {"mm_token_type_ids", "token_type_ids"} & set(self.processor.model_input_names):
@@ -137,6 +132,7 @@ class TransformersGeneration(Generation):
         `generation_kwargs`) draws from torch's RNG seeded by `seeds[0]`, shared by the call's rows.
         `max_new_tokens` overrides the config's. `images[r]`: row r's images, shown to a vision-language model
         (`vision_inputs`)."""
+        self.check_images(images)
         if len(seeds) != len(rows):
             raise ValueError(f"got {len(seeds)} sampling seeds for {len(rows)} rows")
         width = max(map(len, rows))

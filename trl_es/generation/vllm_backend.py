@@ -56,7 +56,8 @@ def sampling_settings(generation_config: GenerationConfig, eos_token_ids: list[i
 def start_engine(model, tokenizer, args, accelerator, params) -> Colocated | Server:
     """The run's engine: a running server, or an in-process one on the model's directory (the weights are replaced
     by the trainer's at `VLLMWeights.start`), with LoRA slots for low-rank members; for an adapter, on its base's
-    directory with LoRA slots for the adapter's members."""
+    directory (its weights too replaced by the trainer's base at `start`, but for a quantized base, which vLLM
+    quantizes from its files) with LoRA slots for the adapter's members."""
     fused = next((name for name, p in model.named_parameters() if p.dim() > 2), None)  # a mixture of experts' tensor
     if fused and args.vllm_mode == "server":  # trained or not: the server's loader would write them unpacked
         raise ValueError(
@@ -77,7 +78,12 @@ def start_engine(model, tokenizer, args, accelerator, params) -> Colocated | Ser
         return Server(args, urls[0]) if len(urls) == 1 else Servers(args, urls)
     if is_peft_model(model):
         modules = adapter_modules(model, params)
-        rank = max(int(p.shape[0]) for name, p in params.items() if ".lora_A." in name)
+        rank = max(int(model.get_parameter(a).shape[0]) for _, a, _, _ in modules)  # A's too where ES trains B alone
+        if rank > LORA_RANKS[-1]:
+            raise ValueError(
+                f"use_vllm=True with an adapter of LoRA rank {rank}: vLLM's LoRA slots hold ranks up to "
+                f"{LORA_RANKS[-1]}. Use a lower rank (LoraConfig's r) or use_vllm=False"
+            )
         lora = {"enable_lora": True, "max_loras": args.population_size + 2, "max_cpu_loras": args.population_size + 2,
                 "max_lora_rank": next(r for r in LORA_RANKS if r >= rank),
                 "lora_target_modules": sorted({module.rpartition(".")[2] for module, *_ in modules})}  # fmt: skip
@@ -110,9 +116,15 @@ def adapter_modules(model, params: dict) -> list[list]:
         why = f"modules_to_save={config.modules_to_save} are whole trained modules, which LoRA slots cannot hold"
     elif getattr(config, "bias", "none") != "none":
         why = f"bias={config.bias!r}: vLLM's LoRA slots have no bias"
+    elif getattr(config, "trainable_token_indices", None):
+        why = "trainable_token_indices trains rows of the embedding, which vLLM's LoRA slots cannot hold"
     if why is None:
         modules, names = [], set()
         for name, module in model.named_modules():
+            if isinstance(module, LoraLayer) and "default" in getattr(module, "lora_embedding_A", {}):
+                embedding = name.removeprefix("base_model.model.")
+                why = f"{embedding!r} (target_modules) is an embedding; vLLM's LoRA slots take Linear layers here"
+                break
             if isinstance(module, LoraLayer) and "default" in module.lora_A:
                 if getattr(module, "parameter_name", None):  # PEFT's target_parameters (a MoE's expert tensors)
                     why = f"{name!r} adapts its tensor {module.parameter_name!r} (target_parameters), not a Linear"
@@ -127,13 +139,26 @@ def adapter_modules(model, params: dict) -> list[list]:
         if why is None and outside:
             why = f"ES would train {outside[0]!r}, which is not a LoRA A/B weight"
     if why is not None:
-        raise ValueError(f"use_vllm=True cannot evaluate this adapter's members in vLLM's LoRA slots: {why}")
+        raise ValueError(
+            f"use_vllm=True cannot evaluate this adapter's members in vLLM's LoRA slots: {why}. Train it with "
+            "use_vllm=False"
+        )
     return modules
 
 
+def base_weights(model) -> list[tuple[str, torch.Tensor]]:
+    """The PeftModel `model`'s base weights as the trainer holds them, under the base model's names (a LoRA layer's
+    wrapped `base_layer` is the base's layer; the adapter's weights left out)."""
+    return [
+        (name.replace(".base_layer.", "."), p.detach())
+        for name, p in model.get_base_model().named_parameters()
+        if ".lora_" not in name
+    ]
+
+
 def base_dir(base) -> str:
-    """The directory vLLM loads an adapter's base from: the base model's own (the trainer's base must be the one on
-    disk; a ValueError otherwise)."""
+    """The directory vLLM starts an adapter's base from (its config, tokenizer and, for a quantized base, weights):
+    the base model's own; a ValueError otherwise."""
     path = base.name_or_path
     if not (path and os.path.isfile(os.path.join(path, "config.json"))):
         raise ValueError(
@@ -208,6 +233,7 @@ class VLLMGeneration(Generation):
                 "token entropy needs the full next-token distribution, which vLLM does not return: "
                 "use_vllm=False for log_completion_entropy and eval entropy"
             )
+        self.check_images(images)
         if len(seeds) != len(rows):
             raise ValueError(f"got {len(seeds)} sampling seeds for {len(rows)} rows")
         settings = self.settings if max_new_tokens is None else {**self.settings, "max_tokens": max_new_tokens}
@@ -316,14 +342,18 @@ class VLLMWeights:
         self.started = True
 
     def _start_adapter(self, payload: dict) -> None:
-        """Adapter mode: vLLM's workers take the adapter's θ (the trainer's tensors, every LoRA A/B weight) and its
-        LoRA slots; generation goes through slot 0 (θ) from then on."""
+        """Adapter mode: vLLM's workers take the trainer's base weights (a base changed in memory, e.g. with an
+        adapter merged into it, is the one vLLM evaluates; a quantized base is quantized by vLLM from its files,
+        `start_engine`), the adapter's θ (the trainer's tensors, every LoRA A/B weight) and its LoRA slots;
+        generation goes through slot 0 (θ) from then on."""
+        model = self.generation.model
         names = {name for _, a, b, _ in self.adapter for name in (a, b)}
-        tensors = [(n, p.detach()) for n, p in self.generation.model.named_parameters() if n in names]
+        tensors = [(n, p.detach()) for n, p in model.named_parameters() if n in names]
         rank = max(int(p.shape[0]) for n, p in tensors if ".lora_A." in n)
         payload = {k: payload[k] for k in ("seed", "noise_table_size", "names")}
         payload |= {"slots": self.adapter_slots, "rank": rank, "modules": self.adapter}
-        results = self.engine.rpc("es_adapter_init", payload, tensors)
+        base = None if is_quantized_model(model) else base_weights(model)
+        results = self.engine.rpc("es_adapter_init", payload, tensors, base)
         errors = [r["error"] for r in results if "error" in r]
         if errors:
             raise ValueError(f"vLLM cannot hold this adapter's members: {errors[0]}")

@@ -32,9 +32,9 @@ its slot in place (vLLM's `lora_a_stacked` ← Bᵀ, `lora_b_stacked` ← σ·si
 adapters are zero-initialised placeholders registered once (`es_lowrank_init`), pinned, and never loaded from files.
 
 Adapter mode (ES trains a LoRA adapter, `es_adapter_init`): the worker's tensors are the adapter's A and B weights,
-the base stays as vLLM loaded it, and what a full model's tensors are written into goes into LoRA slots instead —
-slot 0 holds the evaluated adapter (θ, or `es_perturb`'s member), slots 1.. the members of one call
-(`es_adapter_members`), each A + scale·ε_A and scaling·(B + scale·ε_B) built with the trainer's `LocalWeights`.
+the base holds the trainer's base weights (loaded once), and what a full model's tensors are written into goes into
+LoRA slots instead — slot 0 holds the evaluated adapter (θ, or `es_perturb`'s member), slots 1.. the members of one
+call (`es_adapter_members`), each A + scale·ε_A and scaling·(B + scale·ε_B) built with the trainer's `LocalWeights`.
 
 With a float32 θ over a bfloat16 or float16 engine (mixed precision), the worker keeps θ as a float32 master on the
 host; vLLM's tensors hold its cast (`LocalWeights(master=...)`).
@@ -503,9 +503,12 @@ class ESWorkerExtension:
             self._es_adapters[name] = found
         return {"adapter_ids": ids}
 
-    def es_adapter_init(self, payload: str, adapter: list[tuple[str, torch.Tensor]]) -> dict:
-        """Adapter mode (ES trains a LoRA adapter, the base stays as vLLM loaded it): take the adapter's θ (`adapter`,
-        the trainer's tensors by name), register `slots` pinned adapters of rank `rank` and find each LoRA pair's
+    def es_adapter_init(
+        self, payload: str, adapter: list[tuple[str, torch.Tensor]], base: list[tuple[str, torch.Tensor]] | None = None
+    ) -> dict:
+        """Adapter mode (ES trains a LoRA adapter): load the base's weights `base` (the trainer's, by the base model's
+        names; None: the base stays as vLLM loaded it from its files), take the adapter's θ (`adapter`, the
+        trainer's tensors by name), register `slots` pinned adapters of rank `rank` and find each LoRA pair's
         stacked tensors. `modules`: [[HF linear module, A's name, B's name, scaling], ...]. Slot 0 holds θ (what
         generation outside a members call goes through: `es_adapter_members`). {"fingerprint" of θ, "adapter_ids"}
         or {"error"}."""
@@ -514,7 +517,13 @@ class ESWorkerExtension:
         missing = sorted(set(args["names"]) - set(tensors))
         if missing:
             return {"error": f"the adapter has no weights named {missing[:3]}"}
-        device = next(self.model_runner.model.parameters()).device
+        model = self.model_runner.model
+        device = next(model.parameters()).device
+        self._es_repacked = device.type == "cpu"
+        if base is not None:  # before the slots: vLLM drops every adapter when it reloads weights
+            if self._es_repacked:
+                self._es_keep_cpu_weights(model)
+            self._es_load(base)
         working = {name: tensor.detach().to(device, copy=True).contiguous() for name, tensor in tensors.items()}
         ids = self._es_register_slots(args["slots"] + 1, args["rank"])
         if isinstance(ids, str):
@@ -612,22 +621,32 @@ class ESWorkerExtension:
         if getattr(self, "_es_adapter_mode", False):  # the evaluated adapter is LoRA slot 0
             self._es_write_adapter(self._es_slots[0])
             return
-        model, working = self.model_runner.model, self._es_weights.params
+        working = self._es_weights.params
         if self._es_views:
             for module in {id(m): m for name in names for m in self._es_packed[name]}.values():
                 dispatch_cpu_unquantized_gemm(module, remove_weight=False)
             for name in names & self._es_packed_experts.keys():
                 _pack_experts(working[name], *self._es_packed_experts[name])
             return
+        # on CPU a whole reload, without the packed experts: vLLM's reload would write them unpacked (and fails on
+        # padded ones), the worker packs them itself
+        loaded = [name for name in working if name not in self._es_packed_experts] if self._es_repacked else names
+        self._es_load([(name, working[name]) for name in loaded])
+        for name in names & self._es_packed_experts.keys():
+            _pack_experts(working[name], *self._es_packed_experts[name])
+
+    @torch.no_grad()
+    def _es_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy `weights` (HF names) into vLLM's: `load_weights` on GPU; on CPU a reload (into the linear layers' kept
+        `.weight`, `_es_keep_cpu_weights`), then every linear layer re-packed."""
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        model = self.model_runner.model
         if not self._es_repacked:
-            model.load_weights([(name, working[name]) for name in names])
+            model.load_weights(weights)
             return
-        # vLLM's reload would write packed experts unpacked (and fails on padded ones): the worker packs them itself
-        others = ((name, tensor) for name, tensor in working.items() if name not in self._es_packed_experts)
-        self.model_runner.reload_weights(weights_iterator=others, is_checkpoint_format=True)
+        self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
         for module in model.modules():  # vLLM 0.32 does not re-pack layers that keep `.weight` (tied heads)
             weight = getattr(module, "weight", None)
             if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.numel():
                 dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-        for name in names & self._es_packed_experts.keys():
-            _pack_experts(working[name], *self._es_packed_experts[name])

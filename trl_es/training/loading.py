@@ -75,6 +75,7 @@ def prepare_model(model, args, processing_class=None, peft_config=None, quantiza
         model = add_adapter(model, peft_config, args.seed)
     check_quantized(model)
     check_experts(model)
+    check_vllm_quantized_base(model, args, loaded=model_path is not None)
     if processing_class is None:
         processing_class = load_processing_class(model_path, model, args.trust_remote_code)
     tokenizer = check_processing_class(processing_class, model)
@@ -115,6 +116,20 @@ def check_experts(model) -> None:
             f"{field}={getattr(config, field)}: set num_experts_per_tok to at most {getattr(config, field)} in its "
             "config.json"
         )
+
+
+def check_vllm_quantized_base(model, args, loaded: bool) -> None:
+    """A ValueError for an adapter through vLLM on a quantized base that ESTrainer did not load itself (`loaded`):
+    vLLM quantizes the base from its files, not from the trainer's quantized weights, which may have been changed in
+    memory (the unquantized base vLLM takes from the trainer, `VLLMWeights.start`)."""
+    if not (args.use_vllm and is_peft_model(model) and is_quantized_model(model.get_base_model())) or loaded:
+        return
+    path = model.get_base_model().name_or_path
+    raise ValueError(
+        f"use_vllm=True with an adapter on a quantized base given as a loaded model: vLLM quantizes the base from its "
+        f"files ({path!r}), not the trainer's weights, which may differ. Pass the model as a path (model={path!r} with "
+        "quantization_config, or an adapter directory with es_adapter_only=True) or use_vllm=False"
+    )
 
 
 def check_optimizers(args, optimizers, optimizer_cls_and_kwargs) -> None:
@@ -228,7 +243,7 @@ def check_processing_class(processing_class, model) -> PreTrainedTokenizerBase:
             f"processor (ProcessorMixin); got {type(processing_class).__name__}"
         )
     tokenizer = text_tokenizer(processing_class)
-    rows = model.get_input_embeddings().num_embeddings
+    rows = model.get_input_embeddings().weight.shape[0]  # PEFT's embedding wrappers have no num_embeddings
     if len(tokenizer) > rows:
         raise ValueError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's embedding only {rows} rows: they do not "
