@@ -11,7 +11,7 @@ from ..util.compat import SAMPLING_FIELDS
 from ..util.models import text_tokenizer
 from .base import Completions, Generation, compute_dtype
 from .transformers_backend import TransformersGeneration
-from .vllm_backend import VLLMGeneration, VLLMWeights, start_engine
+from .vllm_backend import VLLMGeneration, VLLMWeights, plan_engine, start_engine
 from .vllm_engine import require_vllm
 
 
@@ -60,9 +60,10 @@ def make_backend(model, processing_class, eos_token_ids, args, accelerator, para
         ), local
     if args.vllm_mode == "colocate":  # a server runs vLLM in its own environment; the trainer only talks HTTP
         require_vllm()
-    engine = start_engine(model, tokenizer, args, accelerator, params)
+    plan = plan_engine(model, params, args)  # its refusals come before the engine starts
+    engine = start_engine(model, tokenizer, args, accelerator, params, plan)
     generation = VLLMGeneration(engine, *generation_args, args.chat_template_kwargs, args.generation_kwargs)
-    return generation, VLLMWeights(local, generation, args)
+    return generation, VLLMWeights(local, generation, args, plan)
 
 
 __all__ = [
