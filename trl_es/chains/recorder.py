@@ -1,4 +1,4 @@
-"""The one writer of a run's seed chain: started from the weights at the run's first step, one record per ES step,
+"""The one writer of a run's seed chain: started from the weights the run starts training from, one record per ES step,
 saved beside every checkpoint and saved model with the tip of the weights saved there, and, when a run resumes,
 taken from its checkpoint after checking that the checkpoint's parts belong together and to this run."""
 
@@ -38,7 +38,7 @@ BASE_ADAPTER = "base-adapter"
 
 
 class ChainRecorder:
-    """The seed chain (`chain`, None before the first step) of a run with ESConfig `args`, ES parameters `params`
+    """The seed chain (`chain`, None before training starts) of a run with ESConfig `args`, ES parameters `params`
     and search space `space`, whose model came from `model_source` (`new_adapter`: ESTrainer added its adapter)."""
 
     def __init__(self, args, params: dict, space, model_source: str, new_adapter: bool):

@@ -209,7 +209,8 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """Trainer's hook (see `compat.TRAINER_HOOKS`) that wraps the model and builds the optimizer and scheduler; ES
-        never back-propagates, so the model is prepared for inference only (`Processes.prepare`)."""
+        never back-propagates, so the model is prepared for inference only (`Processes.prepare`). Then, once per
+        `train`, the run starts from the weights held: the weights backend, the seed chain and θ₀."""
         if getattr(self, "_created_lr_scheduler", False):
             self.lr_scheduler, self._created_lr_scheduler = None, False
         self.create_optimizer()
@@ -221,6 +222,10 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
+        with self._full_parameters():  # the run starts from the weights held now (a resumed run: its checkpoint's)
+            self.weights.start()  # vLLM receives θ
+            self.chain_recorder.start(self.model, self.optimizer)  # a new run's chain (a resumed one continues)
+            self.space.rule.hold_anchor(self.es_params)  # θ₀ of the anchored decay: the chain's base
         return self.model_wrapped, train_dataloader
 
     def _full_parameters(self):
@@ -272,9 +277,6 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         """
         step_start = time.perf_counter()
         with self._full_parameters():
-            self.weights.start()
-            self.chain_recorder.start(self.model, self.optimizer)  # a new run's chain, from the weights held now
-            self.space.rule.hold_anchor(self.es_params)  # θ₀ of the anchored decay: the chain's base
             self.step_log.begin_step()
             members = self.space.ask(step)
             timer = time.perf_counter()
