@@ -92,6 +92,17 @@ class Completions:
         return [sum(mask) for mask in self.tool_mask]
 
 
+def chat_template_ids(processing_class, conversations: list[list[dict]], **template_kwargs) -> list[list[int]]:
+    """Each conversation's token ids, rendered by the chat template with the generation prompt, as GRPOTrainer renders
+    prompts; a vision-language model's processor takes them as content blocks and expands each image into its
+    tokens. `template_kwargs`: `chat_template_kwargs`, `tools`, `chat_template`."""
+    if isinstance(processing_class, ProcessorMixin):
+        conversations = [prepare_multimodal_messages(conversation) for conversation in conversations]
+    return processing_class.apply_chat_template(
+        conversation=conversations, add_generation_prompt=True, tokenize=True, return_dict=True, **template_kwargs
+    )["input_ids"]
+
+
 class Generation:
     """Tokenizes prompts as GRPOTrainer does (chat template for conversational prompts, plain text otherwise; a
     vision-language model's conversations through its processor, which expands each image into its tokens) and
@@ -121,15 +132,7 @@ class Generation:
         prompts = list(prompts)
         check_prompts(prompts)
         if is_conversational({"prompt": prompts[0]}):
-            if self.processor is not None:  # content blocks, as the processor's chat template takes them
-                prompts = [prepare_multimodal_messages(prompt) for prompt in prompts]
-            ids = (self.processor or self.tokenizer).apply_chat_template(
-                conversation=prompts,
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-                **self.chat_template_kwargs,
-            )["input_ids"]
+            ids = chat_template_ids(self.processor or self.tokenizer, prompts, **self.chat_template_kwargs)
         else:
             ids = self.tokenizer(text=prompts)["input_ids"]
         self._check_context(max(map(len, ids)))
