@@ -12,7 +12,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 from trl.data_utils import is_conversational, prepare_multimodal_messages
 
-from ..util.models import text_tokenizer
+from ..util.models import processor_of, text_tokenizer
 
 
 def compute_dtype(mixed_precision: str) -> torch.dtype | None:
@@ -96,7 +96,7 @@ def chat_template_ids(processing_class, conversations: list[list[dict]], **templ
     """Each conversation's token ids, rendered by the chat template with the generation prompt, as GRPOTrainer renders
     prompts; a vision-language model's processor takes them as content blocks and expands each image into its
     tokens. `template_kwargs`: `chat_template_kwargs`, `tools`, `chat_template`."""
-    if isinstance(processing_class, ProcessorMixin):
+    if processor_of(processing_class) is not None:
         conversations = [prepare_multimodal_messages(conversation) for conversation in conversations]
     return processing_class.apply_chat_template(
         conversation=conversations, add_generation_prompt=True, tokenize=True, return_dict=True, **template_kwargs
@@ -119,7 +119,7 @@ class Generation:
         chat_template_kwargs: dict | None = None,
     ):
         self.model = model
-        self.processor = tokenizer if isinstance(tokenizer, ProcessorMixin) else None
+        self.processor = processor_of(tokenizer)
         self.tokenizer = text_tokenizer(tokenizer)
         self.generation_config = generation_config
         self.eos_token_ids = eos_token_ids

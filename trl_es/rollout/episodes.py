@@ -41,7 +41,6 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from transformers import ProcessorMixin
 from trl.chat_template_utils import (
     add_response_schema,
     get_training_chat_template,
@@ -54,7 +53,7 @@ from ..es.seeds import environment_check_seed, environment_reward_seed, environm
 from ..generation import Completions
 from ..generation.base import chat_template_ids, check_prompts, message_images, row_prompts
 from ..util.compat import parse_response, parses_responses, tool_suffix_ids
-from ..util.models import text_tokenizer
+from ..util.models import processor_of, text_tokenizer
 from .environments import (
     CHECK_ROUNDS,
     attribute_pictures,
@@ -110,7 +109,7 @@ class Agents:
         """`processing_class`: the tokenizer, or a vision-language model's processor (which renders the prompts and
         their images)."""
         self.processing_class, self.args = processing_class, args
-        self.processor = processing_class if isinstance(processing_class, ProcessorMixin) else None
+        self.processor = processor_of(processing_class)
         self.tokenizer = text_tokenizer(processing_class)
         self.standalone_tools = list(tools or [])
         self.factories = None

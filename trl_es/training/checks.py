@@ -19,7 +19,14 @@ from ..es.params import is_quantized
 from ..generation.vllm_engine import server_urls
 from ..rollout import check_agent_arguments
 from ..util.compat import is_peft_model
-from ..util.models import is_quantized_model, is_vision_language, quantization_name, text_tokenizer, with_pad_token
+from ..util.models import (
+    is_quantized_model,
+    is_vision_language,
+    processor_of,
+    quantization_name,
+    text_tokenizer,
+    with_pad_token,
+)
 from .config import GRPO_ONLY_FIELDS, ESConfig
 from .distributed import check_fsdp_launch
 from .grpo_fields import check_grpo_only_fields
@@ -211,7 +218,7 @@ def check_vision(datasets: list, processing_class, model, args) -> None:
         column = image_column(dataset)
         if column is None:
             continue
-        if not is_vision_language(model) or not isinstance(processing_class, ProcessorMixin):
+        if not is_vision_language(model) or processor_of(processing_class) is None:
             what = "a processing class that is a tokenizer" if is_vision_language(model) else "a text-only model"
             raise ValueError(
                 f"the dataset has an {column!r} column, which GRPOTrainer shows to a vision-language model through "
