@@ -17,7 +17,15 @@ from trl_es.rewards.sandbox import run_python
 from trl_es.tasks.mbpp import mbpp, mbpp_reward
 
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox isolates fully only as root")
+# Skipped without root, unless TRL_ES_REQUIRE_ROOT is set (CI's sudo step), where running without root is a failure.
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 and not os.environ.get("TRL_ES_REQUIRE_ROOT"), reason="the sandbox isolates fully only as root"
+)
+
+
+def test_these_attacks_run_as_root():
+    assert os.geteuid() == 0, "TRL_ES_REQUIRE_ROOT is set: run these tests as root (sudo), the sandbox's setting"
+
 
 EARLY_EXITS = {
     "sys.exit(0)": "import sys\nsys.exit(0)",

@@ -499,7 +499,7 @@ def test_the_70b_multi_node_recipe_is_refused_naming_what_to_run_instead(
     """GRPO trainer page, "GRPO at scale": 4 nodes × 8 processes under ZeRO-3 (bf16, TRL's default on GPU) talking
     to one vLLM server. Each of its three settings is refused once the processes are known (checked here directly,
     with the launch's ZeRO stage and process count)."""
-    from trl_es.training.loading import check_setup
+    from trl_es.training.checks import check_setup
 
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, **settings)
     with pytest.raises(ValueError, match=message):
@@ -563,7 +563,7 @@ def test_trl_zero3_config_as_shipped_keeps_theta_in_float32_or_is_refused(tmp_pa
     (2 CPU processes ended 5.5e-3 away from one process's weights). The launcher's mixed precision reaches the run
     (`ACCELERATE_MIXED_PRECISION`, which `accelerate launch` sets from the config) and, with ZeRO-3, is refused naming
     it."""
-    from trl_es.training.loading import check_setup
+    from trl_es.training.checks import check_setup
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what the launcher sets from the config
     args = GRPOConfig(**budgeted(dict(output_dir=str(tmp_path), use_cpu=True)))

@@ -23,6 +23,25 @@ def test_the_private_attributes_estrainer_uses_are_the_installed_trainers():
         assert f"self.{name} =" in sources or f"{name} =" in sources, name
 
 
+def test_every_other_private_name_is_in_its_installed_module():
+    """Each name of compat's `PRIVATE_NAMES` occurs in the installed source of the module that defines it (found
+    without importing it)."""
+    import importlib.util
+    import os
+
+    from trl_es.util.compat import PRIVATE_NAMES
+
+    for (module, name), use in PRIVATE_NAMES.items():
+        package, *path = module.split(".")
+        spec = importlib.util.find_spec(package)
+        if spec is None and package == "vllm":
+            continue  # vLLM is an extra
+        origin = os.path.join(os.path.dirname(spec.origin), *path) + ".py" if path else spec.origin
+        with open(origin, encoding="utf-8") as source:
+            text = source.read()
+        assert f".{name}" in text or f"def {name}(" in text, (module, name, use)
+
+
 def test_a_transformers_without_a_hook_is_an_error_naming_the_supported_range():
     from transformers import Trainer
 

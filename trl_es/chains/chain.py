@@ -218,7 +218,7 @@ def frozen_hash(model, params: dict) -> str:
 
 
 def new_chain(args, model, params, space, optimizer, model_source: str, new_adapter: bool) -> Chain:
-    """The seed chain of a run starting from `model`'s weights now (its first step): `params` are the ES
+    """The seed chain of a run starting from `model`'s weights now (the start of training): `params` are the ES
     parameters, `space` the search space, `optimizer` Trainer's (recorded with `es_optimizer` only). `model_source`
     is where replay loads the base from (a PeftModel given in memory: the directory its adapter was saved to)."""
     path = os.path.abspath(model_source) if os.path.isdir(model_source) else None

@@ -1,4 +1,4 @@
-"""The one writer of a run's seed chain: started from the weights at the run's first step, one record per ES step,
+"""The one writer of a run's seed chain: started from the weights the run starts training from, one record per ES step,
 saved beside every checkpoint and saved model with the tip of the weights saved there, and, when a run resumes,
 taken from its checkpoint after checking that the checkpoint's parts belong together and to this run."""
 
@@ -37,8 +37,15 @@ BASE_ADAPTER = "base-adapter"
 """The folder of `output_dir` holding the starting adapter of a PeftModel given in memory: the chain's base."""
 
 
+def optimizer_kind(header: dict | None) -> tuple | None:
+    """(module, class, each group's parameter names) of a chain's optimizer header: what optimizer.pt's state fits."""
+    if header is None:
+        return None
+    return header.get("module", "torch.optim"), header["class"], [group["parameters"] for group in header["groups"]]
+
+
 class ChainRecorder:
-    """The seed chain (`chain`, None before the first step) of a run with ESConfig `args`, ES parameters `params`
+    """The seed chain (`chain`, None before training starts) of a run with ESConfig `args`, ES parameters `params`
     and search space `space`, whose model came from `model_source` (`new_adapter`: ESTrainer added its adapter)."""
 
     def __init__(self, args, params: dict, space, model_source: str, new_adapter: bool):
@@ -122,12 +129,11 @@ class ChainRecorder:
         with the optimizer its chain records (`es_optimizer`), over the same parameter groups."""
         recorded = self.chain.header["space"].get("optimizer")
         now = optimizer_header(optimizer, self.params) if self.args.es_optimizer else None
-        kind = lambda header: header and (header.get("module", "torch.optim"), header["class"],  # noqa: E731
-                                          [g["parameters"] for g in header["groups"]])  # fmt: skip
-        if kind(recorded) != kind(now):
-            named = lambda header: f"{header['module']}.{header['class']}" if header else "none (es_optimizer off)"  # noqa: E731
+        if optimizer_kind(recorded) != optimizer_kind(now):
+            now, recorded = (".".join(kind[:2]) if kind else "none (es_optimizer off)"
+                             for kind in (optimizer_kind(now), optimizer_kind(recorded)))  # fmt: skip
             raise ValueError(
-                f"resuming {checkpoint} with the optimizer {named(now)} where it was trained with "
-                f"{named(recorded)}: its optimizer.pt holds that one's state. Resume with the checkpoint's optim "
+                f"resuming {checkpoint} with the optimizer {now} where it was trained with "
+                f"{recorded}: its optimizer.pt holds that one's state. Resume with the checkpoint's optim "
                 f"and es_optimizer, or start a new run from it with model={checkpoint!r} and a new output_dir"
             )

@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 
+from .params import is_fused_experts
 from .seeds import lowrank_seed
 from .space import Direction, SearchSpace, directions, names_problem, register
 from .update import not_finite, update_coefficients
@@ -404,7 +405,7 @@ class LowRankSpace(SearchSpace):
                 "es_search_space='lowrank' perturbs nn.Linear weights and a mixture of experts' experts and routers, "
                 "and none is among the parameters ES selects (es_parameter_patterns)"
             )
-        fused = [name for name, p in weights.params.items() if p.dim() > 2 and name not in targets]
+        fused = [name for name, p in weights.params.items() if is_fused_experts(p) and name not in targets]
         if fused:  # fused experts of a layout `LowRankPopulation` does not run
             warnings.warn(
                 f"es_search_space='lowrank' perturbs fused experts stored as transformers' gate_up_proj (E × 2I × H) "

@@ -55,6 +55,11 @@ def select_parameters(
     return trainable
 
 
+def is_fused_experts(p: torch.Tensor) -> bool:
+    """Whether `p` is a mixture of experts' fused expert tensor: one matrix per expert, stacked (3-D)."""
+    return p.dim() > 2
+
+
 HALF_PRECISION = (torch.bfloat16, torch.float16)
 
 

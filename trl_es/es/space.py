@@ -119,7 +119,7 @@ class UpdateRule:
     (`es_baseline="center"`), and what follows a space's update (`after_update`, in training and in a seed chain's
     replay alike): with `es_optimizer`, the step of the optimizer the trainer hands it (`use_optimizer`) on the
     gradient estimate the space wrote; with `es_anchor_decay` = λ > 0, the anchored decay θ ← θ − λ·(θ − θ₀)
-    (`anchor_pull`), θ₀ the run's starting weights, held on the host from its first step (`hold_anchor`) or taken
+    (`anchor_pull`), θ₀ the run's starting weights, held on the host from the start of training (`hold_anchor`) or taken
     from a checkpoint (`load_state_dict`)."""
 
     def __init__(

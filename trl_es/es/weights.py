@@ -36,8 +36,7 @@ class WeightsBackend(Protocol):
 
     params: dict[str, torch.nn.Parameter]
     batches_members: bool
-    """Whether the engine evaluates several full-ES members in one call (`members(...)`, a context giving the rows'
-    route): vLLM's LoRA slots holding an adapter's members, or several vLLM servers holding one member each."""
+    """Whether the engine evaluates several full-ES members in one call (then it is a `BatchedWeights`)."""
     member_slots: int
     """With `batches_members`, how many members one call can hold."""
 
@@ -68,6 +67,16 @@ class WeightsBackend(Protocol):
 
     def fingerprint(self) -> str:
         """`weights_hash` of the weights held now: equal only for bitwise-equal weights."""
+
+
+@runtime_checkable
+class BatchedWeights(WeightsBackend, Protocol):
+    """A backend whose engine evaluates several full-ES members in one call (`batches_members`, up to
+    `member_slots`): vLLM's LoRA slots holding an adapter's members, or several vLLM servers holding one each."""
+
+    def members(self, members: list[tuple[int, float, list[str] | None]]) -> contextlib.AbstractContextManager:
+        """Within the context, member k = (seed, scale, the names it perturbs; scale 0: θ) is in the engine's k-th
+        slot; yields the search space's `Route` for the next generate calls' rows. θ everywhere again after."""
 
 
 @runtime_checkable

@@ -4,14 +4,14 @@ served) whose workers hold the members' weights."""
 
 import dataclasses
 
-from transformers import GenerationConfig, ProcessorMixin
+from transformers import GenerationConfig
 
 from ..es.weights import LocalWeights
 from ..util.compat import SAMPLING_FIELDS
-from ..util.models import text_tokenizer
+from ..util.models import processor_of, text_tokenizer
 from .base import Completions, Generation, compute_dtype
 from .transformers_backend import TransformersGeneration
-from .vllm_backend import VLLMGeneration, VLLMWeights, start_engine
+from .vllm_backend import VLLMGeneration, VLLMWeights, plan_engine, start_engine
 from .vllm_engine import require_vllm
 
 
@@ -50,7 +50,7 @@ def make_backend(model, processing_class, eos_token_ids, args, accelerator, para
     `LocalWeights` over `params`, or vLLM and `VLLMWeights` (the trainer's tensors take the same updates).
     `processing_class`: the tokenizer, or a vision-language model's processor (transformers path only)."""
     tokenizer = text_tokenizer(processing_class)
-    image_token_id = model.config.image_token_id if isinstance(processing_class, ProcessorMixin) else None
+    image_token_id = model.config.image_token_id if processor_of(processing_class) else None
     config = generation_config(args, tokenizer, eos_token_ids, image_token_id)
     generation_args = (model, processing_class, config, eos_token_ids)
     local = LocalWeights(params, args.seed, args.noise_table_size, storage_device="cpu")
@@ -60,9 +60,10 @@ def make_backend(model, processing_class, eos_token_ids, args, accelerator, para
         ), local
     if args.vllm_mode == "colocate":  # a server runs vLLM in its own environment; the trainer only talks HTTP
         require_vllm()
-    engine = start_engine(model, tokenizer, args, accelerator, params)
+    plan = plan_engine(model, params, args)  # its refusals come before the engine starts
+    engine = start_engine(model, tokenizer, args, accelerator, params, plan)
     generation = VLLMGeneration(engine, *generation_args, args.chat_template_kwargs, args.generation_kwargs)
-    return generation, VLLMWeights(local, generation, args)
+    return generation, VLLMWeights(local, generation, args, plan)
 
 
 __all__ = [

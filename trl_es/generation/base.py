@@ -12,7 +12,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin
 from trl.data_utils import is_conversational, prepare_multimodal_messages
 
-from ..util.models import text_tokenizer
+from ..util.models import processor_of, text_tokenizer
 
 
 def compute_dtype(mixed_precision: str) -> torch.dtype | None:
@@ -92,6 +92,17 @@ class Completions:
         return [sum(mask) for mask in self.tool_mask]
 
 
+def chat_template_ids(processing_class, conversations: list[list[dict]], **template_kwargs) -> list[list[int]]:
+    """Each conversation's token ids, rendered by the chat template with the generation prompt, as GRPOTrainer renders
+    prompts; a vision-language model's processor takes them as content blocks and expands each image into its
+    tokens. `template_kwargs`: `chat_template_kwargs`, `tools`, `chat_template`."""
+    if processor_of(processing_class) is not None:
+        conversations = [prepare_multimodal_messages(conversation) for conversation in conversations]
+    return processing_class.apply_chat_template(
+        conversation=conversations, add_generation_prompt=True, tokenize=True, return_dict=True, **template_kwargs
+    )["input_ids"]
+
+
 class Generation:
     """Tokenizes prompts as GRPOTrainer does (chat template for conversational prompts, plain text otherwise; a
     vision-language model's conversations through its processor, which expands each image into its tokens) and
@@ -108,7 +119,7 @@ class Generation:
         chat_template_kwargs: dict | None = None,
     ):
         self.model = model
-        self.processor = tokenizer if isinstance(tokenizer, ProcessorMixin) else None
+        self.processor = processor_of(tokenizer)
         self.tokenizer = text_tokenizer(tokenizer)
         self.generation_config = generation_config
         self.eos_token_ids = eos_token_ids
@@ -121,15 +132,7 @@ class Generation:
         prompts = list(prompts)
         check_prompts(prompts)
         if is_conversational({"prompt": prompts[0]}):
-            if self.processor is not None:  # content blocks, as the processor's chat template takes them
-                prompts = [prepare_multimodal_messages(prompt) for prompt in prompts]
-            ids = (self.processor or self.tokenizer).apply_chat_template(
-                conversation=prompts,
-                add_generation_prompt=True,
-                tokenize=True,
-                return_dict=True,
-                **self.chat_template_kwargs,
-            )["input_ids"]
+            ids = chat_template_ids(self.processor or self.tokenizer, prompts, **self.chat_template_kwargs)
         else:
             ids = self.tokenizer(text=prompts)["input_ids"]
         self._check_context(max(map(len, ids)))

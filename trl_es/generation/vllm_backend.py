@@ -20,6 +20,7 @@ base, slot 0 the adapter's θ, slots 1.. the step's members.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 import warnings
@@ -29,6 +30,7 @@ from transformers import GenerationConfig
 
 from ..es.lowrank import lowrank_targets
 from ..es.noise import Region
+from ..es.params import is_fused_experts
 from ..es.weights import LocalWeights, weights_hash
 from ..util.compat import is_peft_model
 from ..util.models import is_quantized_model, quantization_name
@@ -53,19 +55,29 @@ def sampling_settings(generation_config: GenerationConfig, eos_token_ids: list[i
     }
 
 
-def start_engine(model, tokenizer, args, accelerator, params) -> Colocated | Server:
-    """The run's engine: a running server, or an in-process one on the model's directory (the weights are replaced
-    by the trainer's at `VLLMWeights.start`), with LoRA slots for low-rank members; for an adapter, on its base's
-    directory (its weights too replaced by the trainer's base at `start`, but for a quantized base, which vLLM
-    quantizes from its files) with LoRA slots for the adapter's members."""
-    fused = next((name for name, p in model.named_parameters() if p.dim() > 2), None)  # a mixture of experts' tensor
+@dataclasses.dataclass(frozen=True)
+class EnginePlan:
+    """What the run's vLLM engine holds beyond θ, decided once from the model and its ES parameters (`plan_engine`),
+    read by `start_engine` and `VLLMWeights`."""
+
+    lowrank_targets: list[str] | None  # es_search_space='lowrank': the weights whose members are LoRA adapters
+    adapter: list[list] | None  # a PeftModel's LoRA layers (`adapter_modules`): its members fill LoRA slots 1..
+    lora: dict | None  # vllm.LLM's LoRA fields for either (None: no LoRA)
+    lora_slots: int  # the members one generate call holds in LoRA slots (an adapter's: the population and the centre)
+
+
+def plan_engine(model, params: dict, args) -> EnginePlan:
+    """The run's `EnginePlan`; a ValueError, before any engine starts, for what vLLM cannot evaluate: a mixture of
+    experts' fused tensors served (the server's loader writes them unpacked) or as low-rank members, an adapter
+    vLLM's LoRA cannot hold (`adapter_modules`) or of a rank above its largest."""
+    fused = next((name for name, p in model.named_parameters() if is_fused_experts(p)), None)
     if fused and args.vllm_mode == "server":  # trained or not: the server's loader would write them unpacked
         raise ValueError(
             f"use_vllm=True with vllm_mode='server' and {fused!r}, a mixture of experts' fused expert tensor: the "
             "server reads θ from the model's files, which hold each expert's gate_proj, up_proj and down_proj apart, "
             "not the trainer's fused tensors. Use vllm_mode='colocate'"
         )
-    experts = next((name for name, p in params.items() if p.dim() > 2), None)
+    experts = next((name for name, p in params.items() if is_fused_experts(p)), None)
     if experts and args.es_search_space == "lowrank":
         raise ValueError(
             f"es_search_space='lowrank' with use_vllm=True and {experts!r}, a mixture of experts' fused expert "
@@ -73,9 +85,6 @@ def start_engine(model, tokenizer, args, accelerator, params) -> Colocated | Ser
             "es_search_space='full' (members are written into vLLM's experts), use_vllm=False, or "
             "es_parameter_patterns that leave the experts out"
         )
-    if args.vllm_mode == "server":  # this process drives every K-th of the servers (`check_setup`: one at least)
-        urls = server_urls(args)[accelerator.process_index :: accelerator.num_processes]
-        return Server(args, urls[0]) if len(urls) == 1 else Servers(args, urls)
     if is_peft_model(model):
         modules = adapter_modules(model, params)
         rank = max(int(model.get_parameter(a).shape[0]) for _, a, _, _ in modules)  # A's too where ES trains B alone
@@ -84,17 +93,33 @@ def start_engine(model, tokenizer, args, accelerator, params) -> Colocated | Ser
                 f"use_vllm=True with an adapter of LoRA rank {rank}: vLLM's LoRA slots hold ranks up to "
                 f"{LORA_RANKS[-1]}. Use a lower rank (LoraConfig's r) or use_vllm=False"
             )
-        lora = {"enable_lora": True, "max_loras": args.population_size + 2, "max_cpu_loras": args.population_size + 2,
+        slots = args.population_size + 1  # the members and the centre; the adapter's θ in slot 0
+        lora = {"enable_lora": True, "max_loras": slots + 1, "max_cpu_loras": slots + 1,
                 "max_lora_rank": next(r for r in LORA_RANKS if r >= rank),
                 "lora_target_modules": sorted({module.rpartition(".")[2] for module, *_ in modules})}  # fmt: skip
+        return EnginePlan(None, modules, lora, slots)
+    if args.es_search_space == "lowrank":
+        targets = list(lowrank_targets(model, params))
+        lora = lora_settings(args, targets)
+        return EnginePlan(targets, None, lora, lora["max_loras"])
+    return EnginePlan(None, None, None, 0)
+
+
+def start_engine(model, tokenizer, args, accelerator, params, plan: EnginePlan) -> Colocated | Server | Servers:
+    """The run's engine: a running server, or an in-process one on the model's directory (the weights are replaced
+    by the trainer's at `VLLMWeights.start`), with the LoRA slots of `plan`; for an adapter, on its base's
+    directory (its weights too replaced by the trainer's base at `start`, but for a quantized base, which vLLM
+    quantizes from its files)."""
+    if args.vllm_mode == "server":  # this process drives every K-th of the servers (`check_setup`: one at least)
+        urls = server_urls(args)[accelerator.process_index :: accelerator.num_processes]
+        return Server(args, urls[0]) if len(urls) == 1 else Servers(args, urls)
+    if plan.adapter is not None:
         base = model.get_base_model()
         dtype = compute_dtype(accelerator.mixed_precision)
         dtype = dtype or next(p.dtype for n, p in model.named_parameters() if n not in params)
-        return Colocated(base_dir(base), args, accelerator, dtype, lora, quantization=vllm_quantization(base))
-    lowrank = list(lowrank_targets(model, params)) if args.es_search_space == "lowrank" else None
-    lora = None if lowrank is None else lora_settings(args, lowrank)
+        return Colocated(base_dir(base), args, accelerator, dtype, plan.lora, quantization=vllm_quantization(base))
     dtype = compute_dtype(accelerator.mixed_precision) or next(iter(params.values())).dtype  # θ stays float32 there
-    return Colocated(model_dir(model, tokenizer), args, accelerator, dtype, lora)
+    return Colocated(model_dir(model, tokenizer), args, accelerator, dtype, plan.lora)
 
 
 def adapter_modules(model, params: dict) -> list[list]:
@@ -276,22 +301,16 @@ class VLLMWeights:
     the update's norm. vLLM receives θ at `start`, from the trainer's tensors or, when resuming a served run, from
     the checkpoint's files. Satisfies `AdapterWeights`: low-rank members as the engine's LoRA adapters."""
 
-    def __init__(self, local: LocalWeights, generation: VLLMGeneration, args):
+    def __init__(self, local: LocalWeights, generation: VLLMGeneration, args, plan: EnginePlan):
         self.local, self.generation, self.params = local, generation, local.params
         self.engine = generation.engine
         self.started, self.checkpoint = False, None
         self.member_names: set[str] = set()  # the names vLLM holds a member's values in (`member`, `center`)
-        self.lowrank_names = (
-            list(lowrank_targets(generation.model, local.params)) if args.es_search_space == "lowrank" else None
-        )
-        self.lowrank_rank, self.adapter_ids = args.lowrank_rank, []
-        self.adapter_slots = lora_settings(args, self.lowrank_names)["max_loras"] if self.lowrank_names else 0
+        self.lowrank_names, self.lowrank_rank = plan.lowrank_targets, args.lowrank_rank
         # an adapter's members: LoRA slots 1.. (the population and the centre, in one call), its θ in slot 0
-        self.adapter = adapter_modules(generation.model, local.params) if is_peft_model(generation.model) else None
+        self.adapter, self.adapter_slots, self.adapter_ids = plan.adapter, plan.lora_slots, []
         # several full-ES members in one call: an adapter's in LoRA slots 1.., or one member per server
         self.batches_members = self.adapter is not None or isinstance(self.engine, Servers)
-        if self.adapter is not None:
-            self.adapter_slots = args.population_size + 1
         self.member_slots = len(self.engine.servers) if isinstance(self.engine, Servers) else self.adapter_slots
 
     def start(self) -> None:

@@ -41,21 +41,19 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from transformers import ProcessorMixin
 from trl.chat_template_utils import (
     add_response_schema,
     get_training_chat_template,
     is_chat_template_prefix_preserving,
     supports_tool_calling,
 )
-from trl.data_utils import prepare_multimodal_messages
 from trl.trainer.utils import is_async_callable, shutdown_event_loop_in_daemon, start_event_loop_in_daemon
 
 from ..es.seeds import environment_check_seed, environment_reward_seed, environment_seed, tool_seed, turn_seed
 from ..generation import Completions
-from ..generation.base import check_prompts, message_images, row_prompts
+from ..generation.base import chat_template_ids, check_prompts, message_images, row_prompts
 from ..util.compat import parse_response, parses_responses, tool_suffix_ids
-from ..util.models import text_tokenizer
+from ..util.models import processor_of, text_tokenizer
 from .environments import (
     CHECK_ROUNDS,
     attribute_pictures,
@@ -111,7 +109,7 @@ class Agents:
         """`processing_class`: the tokenizer, or a vision-language model's processor (which renders the prompts and
         their images)."""
         self.processing_class, self.args = processing_class, args
-        self.processor = processing_class if isinstance(processing_class, ProcessorMixin) else None
+        self.processor = processor_of(processing_class)
         self.tokenizer = text_tokenizer(processing_class)
         self.standalone_tools = list(tools or [])
         self.factories = None
@@ -327,19 +325,10 @@ class Agents:
         )
 
     def _tokenize(self, prompt: list, tools: list) -> list[int]:
-        """The prompt's token ids; a vision-language model's processor expands each image into its tokens."""
-        if self.processor is not None:  # content blocks, as the processor's chat template takes them
-            prompt = prepare_multimodal_messages(prompt)
-        ids = (self.processor or self.tokenizer).apply_chat_template(
-            conversation=prompt,
-            tools=tools or None,  # `or None`: some templates render tool boilerplate for tools=[]
-            chat_template=self.chat_template,
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-            **(self.args.chat_template_kwargs or {}),
-        )["input_ids"]
-        return ids[0] if self.processor is not None else ids  # a processor's output is batched
+        """The prompt's token ids (`chat_template_ids`), with the episode's tools and chat template."""
+        template = {"tools": tools or None, "chat_template": self.chat_template}  # `or None`: some templates render
+        template |= self.args.chat_template_kwargs or {}  # tool boilerplate for tools=[]
+        return chat_template_ids(self.processor or self.tokenizer, [prompt], **template)[0]
 
     def _play(self, episodes: list[Episode], route, generation) -> None:
         """Turn 0 for every episode, then tool turns for those whose last message calls tools."""

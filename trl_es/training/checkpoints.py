@@ -97,7 +97,11 @@ class SavingMixin:
         ),
     }
 
+    # The saves' state: the lock held on output_dir, whether a checkpoint is being staged, and the statistics of the
+    # sparse delta `save_model` wrote last (for the model card), if any.
     _lock = None
+    _staging_checkpoint = False
+    _sparse_delta_card: dict | None = None
 
     def lock_output_dir(self) -> None:
         """Hold an exclusive `flock` on `<output_dir>/.trl-es.lock` for the run (main process): a second run writing
@@ -162,8 +166,6 @@ class SavingMixin:
                 "another base): resume from a checkpoint of one run, whose files belong together"
             )
         self.space.rule.load_state_dict(anchor)
-
-    _staging_checkpoint = False
 
     def _get_output_dir(self, trial) -> str:
         """Trainer's run directory; while a checkpoint is written, its staging folder (`STAGING`)."""

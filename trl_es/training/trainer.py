@@ -20,27 +20,14 @@ from ..chains.recorder import ChainRecorder
 from ..es import search_space, select_parameters
 from ..generation import make_backend
 from ..rewards import RewardFunctions
-from ..rollout import Agents, check_agent_arguments, make_rollout
+from ..rollout import Agents, make_rollout
 from ..util.compat import BaseTrainer, check_trainer_hooks
 from ..util.models import is_quantized_model, load_starting_model
 from .checkpoints import SavingMixin
+from .checks import check_arguments, check_eval_dataset, check_optimizer_parameters, check_setup, check_vision
 from .config import ESConfig
-from .distributed import Processes, check_fsdp_launch, engine_size
-from .loading import (
-    DataMixin,
-    check_args,
-    check_eval_dataset,
-    check_model_type,
-    check_optimizer_parameters,
-    check_optimizers,
-    check_setup,
-    check_vision,
-    es_candidates,
-    eval_datasets,
-    keep_theta_in_float32,
-    prepare_model,
-    training_dataset,
-)
+from .distributed import Processes, engine_size
+from .loading import DataMixin, es_candidates, eval_datasets, keep_theta_in_float32, prepare_model, training_dataset
 from .population import Population
 from .reporting import ReportingMixin
 from .steplog import StepLog
@@ -111,14 +98,12 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         environment_factory=None,
         optimizer_cls_and_kwargs: tuple[type[torch.optim.Optimizer], dict] | None = None,
     ):
-        check_model_type(model)
-        args = check_args(args, model)
-        check_fsdp_launch(args)
-        check_optimizers(args, optimizers, optimizer_cls_and_kwargs)
+        args = check_arguments(
+            model, args, optimizers, optimizer_cls_and_kwargs, tools, environment_factory, rollout_func
+        )
         train_dataset = training_dataset(train_dataset, args, environment_factory)
         if eval_dataset is not None:
             check_eval_dataset(eval_dataset, train_dataset)
-        check_agent_arguments(args, tools, environment_factory, rollout_func)
         model_source = model if isinstance(model, str) else get_config_model_id(model.config)
         model, processing_class, eos_ids = prepare_model(
             model, args, processing_class, peft_config, quantization_config
@@ -153,13 +138,12 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         zero_stage = self._set_up_processes()
         self._set_up_es(processing_class, eos_ids, rollout_func, zero_stage)
         self.chain_recorder = ChainRecorder(args, self.es_params, self.space, model_source, peft_config is not None)
-        # The run's state, all of it: what the steps record (metrics, skipped steps, loss, distance from the start),
-        # the prompts of the micro-batches an accumulating step has gathered so far, the placeholder parameter that
-        # carries α_t's schedule when no optimizer steps on ĝ (`create_optimizer`), and the model card's delta.
+        # The step's state, all of it (the saves' is `SavingMixin`'s): what the steps record (metrics, skipped steps,
+        # loss, distance from the start), the prompts of the micro-batches an accumulating step has gathered so far,
+        # and the placeholder parameter that carries α_t's schedule when no optimizer steps on ĝ (`create_optimizer`).
         self.step_log = StepLog(self.es_params)
         self._pending_rows: list[dict] = []
         self._lr_holder: torch.nn.Parameter | None = None
-        self._sparse_delta_card: dict | None = None  # the statistics of the delta `save_model` wrote last, if any
 
     def _set_up_processes(self) -> int | None:
         """The run's processes (`Processes`), with Trainer's DeepSpeed and FSDP paths taken over; returns the ZeRO
@@ -225,7 +209,8 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         """Trainer's hook (see `compat.TRAINER_HOOKS`) that wraps the model and builds the optimizer and scheduler; ES
-        never back-propagates, so the model is prepared for inference only (`Processes.prepare`)."""
+        never back-propagates, so the model is prepared for inference only (`Processes.prepare`). Then, once per
+        `train`, the run starts from the weights held: the weights backend, the seed chain and θ₀."""
         if getattr(self, "_created_lr_scheduler", False):
             self.lr_scheduler, self._created_lr_scheduler = None, False
         self.create_optimizer()
@@ -237,6 +222,10 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
         for attr in ("model", "optimizer", "lr_scheduler"):
             setattr(self.callback_handler, attr, getattr(self, attr))
+        with self._full_parameters():  # the run starts from the weights held now (a resumed run: its checkpoint's)
+            self.weights.start()  # vLLM receives θ
+            self.chain_recorder.start(self.model, self.optimizer)  # a new run's chain (a resumed one continues)
+            self.space.rule.hold_anchor(self.es_params)  # θ₀ of the anchored decay: the chain's base
         return self.model_wrapped, train_dataloader
 
     def _full_parameters(self):
@@ -288,9 +277,6 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         """
         step_start = time.perf_counter()
         with self._full_parameters():
-            self.weights.start()
-            self.chain_recorder.start(self.model, self.optimizer)  # a new run's chain, from the weights held now
-            self.space.rule.hold_anchor(self.es_params)  # θ₀ of the anchored decay: the chain's base
             self.step_log.begin_step()
             members = self.space.ask(step)
             timer = time.perf_counter()

@@ -30,8 +30,10 @@ test suite runs on both ends of it (tests/unit/test_compat.py, .ci/matrix).
 - `TRAINER_ATTRIBUTES`: the private attributes of transformers' Trainer and TrainingArguments and of TRL's base
   trainer that ESTrainer reads or sets (`_signature_columns`, `_train_batch_size`, `_created_lr_scheduler`,
   `_tag_names`, `TrainingArguments._VALID_DICT_FIELDS`), checked against the installed sources by
-  tests/unit/test_compat.py. Outside TRL and transformers: argparse's `ArgumentParser._actions` (the `trl-es es`
-  parser's options), and vLLM's internals listed in docs/vllm.md.
+  tests/unit/test_compat.py.
+- `PRIVATE_NAMES`: every other private name trl-es reads, of transformers' MoE experts, vLLM, torch and argparse,
+  with the module that defines it and what trl-es does with it; tests/unit/test_compat.py finds each in the
+  installed source of its module (vLLM's where vLLM is installed).
 - `process_group_store()`: torch.distributed's `distributed_c10d._get_default_store` (private; torch 2.6 … 2.15),
   the key-value store the default process group rendezvoused through (it lives in process 0), where processes left
   after a failed all-reduce say they are alive (`trl_es.training.distributed.unanswering`). None where torch has
@@ -77,6 +79,18 @@ TRAINER_ATTRIBUTES = {
 }
 """The private attributes of TRL's and transformers' trainers and arguments ESTrainer reads or sets, and what they
 are (checked against the installed sources: tests/unit/test_compat.py)."""
+
+
+PRIVATE_NAMES = {
+    ("transformers.integrations.moe", "_apply_gate"): "es/lowrank.py: the gate of fused experts' gate_up output",
+    ("transformers.integrations.moe", "has_gate"): "es/lowrank.py: experts whose gate_up_proj holds gate and up",
+    ("transformers.integrations.moe", "is_transposed"): "es/lowrank.py: experts applied as x·Wᵀ (not transposed)",
+    ("vllm.lora.worker_manager", "_adapter_manager"): "generation/vllm_worker.py: the LoRA slots' stacked tensors",
+    ("vllm.v1.engine.core_client", "_finalizer"): "generation/vllm_engine.py: detached, trl-es shuts the engine",
+    ("torch.distributed.distributed_c10d", "_get_default_store"): "util/compat.py: `process_group_store`",
+    ("argparse", "_actions"): "commands/train.py: the options of the `trl-es es` and accelerate parsers",
+}
+"""(module, private name) → where trl-es reads it and why, outside `TRAINER_HOOKS` and `TRAINER_ATTRIBUTES`."""
 
 
 def process_group_store():

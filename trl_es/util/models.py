@@ -253,9 +253,16 @@ def load_processing_class(path: str | None, model, trust_remote_code: bool = Fal
     )
 
 
+def processor_of(processing_class) -> ProcessorMixin | None:
+    """The processing class if it is a vision-language model's processor (ProcessorMixin: the run shows images),
+    None for a tokenizer."""
+    return processing_class if isinstance(processing_class, ProcessorMixin) else None
+
+
 def text_tokenizer(processing_class) -> PreTrainedTokenizerBase:
-    """The tokenizer of a processing class: a processor's (ProcessorMixin) `tokenizer`, or the tokenizer itself."""
-    return processing_class.tokenizer if isinstance(processing_class, ProcessorMixin) else processing_class
+    """The tokenizer of a processing class: a processor's `tokenizer`, or the tokenizer itself."""
+    processor = processor_of(processing_class)
+    return processor.tokenizer if processor is not None else processing_class
 
 
 def eos_token_ids(model, tokenizer: PreTrainedTokenizerBase) -> list[int]:
