@@ -67,15 +67,17 @@ class Header(TypedDict):
     noise: dict  # {"seed", "table_size"}: the noise table's
     space: dict  # the search space's `chain_header()` (`kind` = its registered name), plus "optimizer" with one and
     # "anchor_decay" (λ of θ ← θ − λ·(θ − θ₀) after each update, θ₀ the base) with es_anchor_decay
-    settings: dict  # ESConfig's fields marked `chain`, for the reader (replay needs none of them)
+    settings: dict  # ESConfig's fields marked `chain` at the start, for the reader (replay needs none of them)
 
 
-class StepRecord(TypedDict):
+class StepRecord(TypedDict, total=False):
     """One ES step: its global step (0-based) and the search space's update record (`tell`'s; None: skipped), with
-    "learning_rates" (one per param group) when an optimizer applied it."""
+    "learning_rates" (one per param group) when an optimizer applied it; the first step of a run resumed with other
+    settings than the header's (σ, population, shaping, …) has them in "settings", from that step on."""
 
     step: int
     update: dict | None
+    settings: dict
 
 
 def _checksum(content: dict) -> str:
@@ -151,29 +153,42 @@ def run_header(args, params, space, optimizer) -> dict:
 RESUME_FIELDS = {"base": "adapter (peft_config, es_adapter_only), model dtype or quantization",
                  "dtype": "the model's dtype", "parameters": "es_parameter_patterns (the parameters ES moves)",
                  "noise": "seed or noise_table_size",
-                 "space": "es_search_space or its settings, or es_anchor_decay",
-                 "settings": "settings"}  # fmt: skip
+                 "space": "es_search_space or its settings, or es_anchor_decay"}  # fmt: skip
 """The header parts a resumed run must share with its checkpoint's chain, and the settings that decide them."""
 
+SCHEDULE = ("learning_rate", "lr_scheduler_type")
+"""The settings a resumed run cannot change: Trainer's saved scheduler keeps the checkpoint's."""
 
-def check_resume(chain: Chain, expected: dict, checkpoint: str) -> None:
-    """A ValueError when the run resuming `checkpoint` would record other updates than its chain describes, or other
-    settings than it records (a resumed chain must still replay to the run's weights and say how it was trained; a
-    resumed run keeps the checkpoint's learning-rate schedule): `expected` is this run's `run_header` with "base" its
-    `base_setup`. Checked before anything is loaded."""
+
+def check_resume(chain: Chain, expected: dict, checkpoint: str) -> dict:
+    """A ValueError when the run resuming `checkpoint` would record other updates than its chain describes (a resumed
+    chain must still replay to the run's weights), or change the learning-rate schedule (Trainer keeps the
+    checkpoint's): `expected` is this run's `run_header` with "base" its `base_setup`. Checked before anything is
+    loaded. Returns the other settings the run changes (recorded in the chain from its next step)."""
+    again = (
+        f"Resume with the checkpoint's settings, or start a new run from it with model={checkpoint!r} and a new "
+        "output_dir"
+    )
     for key, settings in RESUME_FIELDS.items():
         recorded, now = chain.header[key], expected[key]
         if key == "space":  # the optimizer is checked with its state (`ChainRecorder.check_optimizer`)
             recorded, now = ({k: v for k, v in part.items() if k != "optimizer"} for part in (recorded, now))
-        if key in ("base", "settings"):  # what this run decides and the chain records (older chains: less)
-            recorded = {k: recorded.get(k, BASE_SETUP_DEFAULTS.get(k)) for k in now if k in recorded or key == "base"}
-            now = {k: now[k] for k in recorded}
+        if key == "base":  # how the base is loaded, as far as the chain records it (older chains: less)
+            recorded = {k: recorded.get(k, BASE_SETUP_DEFAULTS.get(k)) for k in now}
         if recorded != now:
             raise ValueError(
                 f"resuming {checkpoint} with other {settings} than it was trained with ({differences(recorded, now)}):"
-                f" the seed chain would no longer describe the run. Resume with the checkpoint's settings, or start a "
-                f"new run from it with model={checkpoint!r} and a new output_dir"
+                f" the seed chain would no longer replay to the run's weights. {again}"
             )
+    recorded = chain.settings()
+    changed = {name: value for name, value in expected["settings"].items() if recorded.get(name, value) != value}
+    schedule = {name: changed[name] for name in SCHEDULE if name in changed}
+    if schedule:
+        raise ValueError(
+            f"resuming {checkpoint} with another learning-rate schedule than it was trained with "
+            f"({differences({k: recorded[k] for k in schedule}, schedule)}): Trainer keeps the checkpoint's. {again}"
+        )
+    return changed
 
 
 def differences(recorded, now, prefix: str = "") -> str:
@@ -272,11 +287,18 @@ class Chain:
         first = self.steps[0]["step"] if self.steps else 0
         return first, first + len(self.steps)
 
-    def record(self, step: int, update: dict | None) -> None:
-        """The update of ES step `step` (global step, 0-based), in order."""
+    def record(self, step: int, update: dict | None, settings: dict | None = None) -> None:
+        """The update of ES step `step` (global step, 0-based), in order; `settings`: those this step changes."""
         if self.steps and step != self.steps[-1]["step"] + 1:
             raise ValueError(f"chain step {step} does not follow step {self.steps[-1]['step']}")
-        self.steps.append({"step": step, "update": update})
+        self.steps.append({"step": step, "update": update, **({"settings": settings} if settings else {})})
+
+    def settings(self) -> dict:
+        """The settings of the chain's last step: the header's, changed by the steps that changed them."""
+        settings = dict(self.header["settings"])
+        for entry in self.steps:
+            settings |= entry.get("settings", {})
+        return settings
 
     def content(self) -> dict:
         return {"format": FORMAT, "header": self.header, "steps": self.steps, "tip": self.tip}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 
 from ..es.weights import weights_hash
 from ..util.atomic import atomic_directory
@@ -52,6 +53,7 @@ class ChainRecorder:
         self.args, self.params, self.space = args, params, space
         self.model_source, self.new_adapter = model_source, new_adapter
         self.chain: Chain | None = None
+        self.changed_settings: dict | None = None  # a resumed run's other settings, recorded with its first step
 
     def start(self, model, optimizer) -> None:
         """A new run's chain, from the weights `model` holds now (a resumed run continues its checkpoint's). A
@@ -68,8 +70,10 @@ class ChainRecorder:
         self.chain = new_chain(self.args, model, self.params, self.space, optimizer, source, self.new_adapter)
 
     def record(self, step: int, update: dict | None) -> None:
-        """The update of ES step `step` (the search space's record; None: no update)."""
-        self.chain.record(step, update)
+        """The update of ES step `step` (the search space's record; None: no update), with the settings a resumed
+        run changed at its first step."""
+        self.chain.record(step, update, self.changed_settings)
+        self.changed_settings = None
 
     def tip(self, folder: str) -> Tip | None:
         """What the weights saved in `folder` are, for the chain saved beside them (every process computes it: θ is
@@ -89,16 +93,23 @@ class ChainRecorder:
 
     def check_resume(self, checkpoint: str, model) -> None:
         """A ValueError, before anything is loaded, unless `checkpoint` holds a seed chain (an ESTrainer checkpoint)
-        of a run set up as this one on `model` (`chain.check_resume`)."""
+        of a run set up as this one on `model` (`chain.check_resume`); other settings than the checkpoint's (σ,
+        population, …) are said and recorded in the chain with the next step."""
         if not os.path.isfile(os.path.join(checkpoint, FILE)):
             raise ValueError(
                 f"{checkpoint} is not an ESTrainer checkpoint (it has no {FILE}; a GRPOTrainer checkpoint?): ES "
                 "cannot resume another trainer's optimizer and schedule. To start ES from its weights, pass it as the "
-                f"model with a new output_dir: ESTrainer(model={checkpoint!r}, ...)"
+                f"model: ESTrainer(model={checkpoint!r}, ...), with a new output_dir"
             )
         expected = run_header(self.args, self.params, self.space, None)
-        check_resume(load_chain(checkpoint), {**expected, "base": base_setup(self.args, model, self.params,
-                                                                            self.new_adapter)}, checkpoint)  # fmt: skip
+        expected["base"] = base_setup(self.args, model, self.params, self.new_adapter)
+        self.changed_settings = check_resume(load_chain(checkpoint), expected, checkpoint) or None
+        if self.changed_settings:
+            warnings.warn(
+                f"resuming {checkpoint} with other settings than it was trained with: {self.changed_settings} (the seed "
+                "chain records them from the next step on)",
+                stacklevel=4,
+            )
 
     def resume(self, checkpoint: str, model) -> None:
         """Continue the chain of `checkpoint`, whose weights `model` holds now: its ES parameters (and optimizer

@@ -195,7 +195,8 @@ def check_processing_class(processing_class, model) -> PreTrainedTokenizerBase:
             f"processor (ProcessorMixin); got {type(processing_class).__name__}"
         )
     tokenizer = text_tokenizer(processing_class)
-    rows = model.get_input_embeddings().weight.shape[0]  # PEFT's embedding wrappers have no num_embeddings
+    embedding = model.get_input_embeddings()  # PEFT's embedding wrappers hold the nn.Embedding as base_layer
+    rows = getattr(getattr(embedding, "base_layer", embedding), "num_embeddings", None) or embedding.weight.shape[0]
     if len(tokenizer) > rows:
         raise ValueError(
             f"the tokenizer has {len(tokenizer)} tokens but the model's embedding only {rows} rows: they do not "
