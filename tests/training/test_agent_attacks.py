@@ -424,8 +424,9 @@ def test_a_tool_result_far_beyond_the_budget_is_not_tokenized(tmp_path, tiny_mod
     tokenizer, rendered = trainer.processing_class, []
     real = tokenizer.apply_chat_template
 
-    def recording(conversation, **kwargs):
-        rendered.extend(len(str(m.get("content"))) for m in conversation if isinstance(m, dict))
+    def recording(conversation, **kwargs):  # one conversation, or a batch of them
+        batch = conversation if conversation and isinstance(conversation[0], list) else [conversation]
+        rendered.extend(len(str(m.get("content"))) for messages in batch for m in messages if isinstance(m, dict))
         return real(conversation, **kwargs)
 
     tokenizer.apply_chat_template = recording
