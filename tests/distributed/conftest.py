@@ -51,11 +51,15 @@ def one_process(guard_models, model_dir, tiny_vlm_dir, tmp_path_factory) -> Path
 
 @pytest.fixture(scope="session")
 def two_processes(guard_models, model_dir, tiny_vlm_dir, tmp_path_factory) -> Path:
-    """One launch with 2 processes (the shipped examples/accelerate/cpu_two_processes.yaml): every guard scenario,
-    the user script's runs, and last the run whose reward raises on process 1 (which ends the launch)."""
+    """One launch with 2 processes (the shipped examples/accelerate/cpu_two_processes.yaml): the guard scenarios no
+    other launch runs, the user script's runs, and last the run whose reward raises on process 1 (which ends the
+    launch)."""
     out = tmp_path_factory.mktemp("two-processes")
-    runs = [  # the adapter scenario's 2 processes run through vLLM (test_regression_guard.py), not twice
-        *guard_runs(guard_models, scenarios=[s for s in regression_guard.SCENARIOS if s != "adapter"]),
+    # Not run twice: the adapter scenario's 2 processes run through vLLM (test_regression_guard.py), full and
+    # low-rank's over two machines of one process each (test_multiprocess.py's `killed` launch).
+    elsewhere = ("adapter", "full", "lowrank")
+    runs = [
+        *guard_runs(guard_models, scenarios=[s for s in regression_guard.SCENARIOS if s not in elsewhere]),
         *user_runs(guard_models, model_dir, tiny_vlm_dir),
         {"name": "raise", "model": model_dir, "fault": "raise"},
     ]
