@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from ..util.atomic import is_within
 from .parser import command_parser
 
 
@@ -22,12 +23,6 @@ def load_weights(path: str):
     return model, tokenizer, dict(model.named_parameters())
 
 
-def _inside(path: str, model: str) -> bool:
-    """Whether `path` is the model path `model` or lies in it (symlinks resolved)."""
-    path, model = os.path.realpath(path), os.path.realpath(model)
-    return os.path.commonpath([path, model]) == model
-
-
 def sparsify(argv: list[str]) -> None:
     from ..util.deltas import save_delta, threshold_masks, update_statistics
 
@@ -42,7 +37,7 @@ def sparsify(argv: list[str]) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     options = parser.parse_args(argv)
     for model in (options.base, options.tuned):
-        if os.path.exists(model) and _inside(options.out, model):
+        if os.path.exists(model) and is_within(options.out, model):
             parser.error(f"--out {options.out} is inside the model {model}: write the delta elsewhere")
     if os.path.lexists(options.out) and not options.overwrite:
         parser.error(f"--out {options.out} already exists; choose a new file, or pass --overwrite to replace it")

@@ -18,6 +18,7 @@ from trl.trainer.utils import get_config_model_id
 from ..es.params import is_quantized
 from ..generation.vllm_engine import server_urls
 from ..rollout import check_agent_arguments
+from ..util.atomic import is_within
 from ..util.compat import is_peft_model
 from ..util.models import (
     is_quantized_model,
@@ -310,8 +311,7 @@ def check_output_dir(output_dir: str, model) -> None:
     source = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
     if not (source and os.path.isdir(source)):
         return
-    source, output_dir = os.path.realpath(source), os.path.realpath(output_dir)
-    if os.path.commonpath([source, output_dir]) == output_dir:
+    if is_within(source, output_dir):
         raise ValueError(
             f"output_dir {output_dir!r} holds the model this run starts from ({source!r}): its saves and checkpoints "
             "would overwrite or rotate away the weights the seed chain replays from. Give the run a new output_dir"

@@ -20,6 +20,12 @@ import tempfile
 import threading
 
 
+def is_within(path: str, folder: str) -> bool:
+    """Whether `path` is `folder` or lies inside it (symlinks resolved): a save there would overwrite what it holds."""
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return os.path.commonpath([path, folder]) == folder
+
+
 def fsync_tree(path: str) -> None:
     """Flush every file under `path`, then the directories, to disk."""
     for root, _, files in os.walk(path):
