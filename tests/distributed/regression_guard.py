@@ -25,6 +25,17 @@ from helpers import NormsOnlySpace, build_tiny_model, dice_trainer, es_config  #
 
 MODEL = dict(hidden_size=64, intermediate_size=128, initializer_range=0.3, max_position_embeddings=128)
 PROMPTS = [f"Count to {n}:" for n in range(1, 9)]
+FITNESS_VARIANTS = {
+    "sampled": True,
+    "population_size": 6,
+    "scale_rewards": "group",
+    "fitness_pass_k": 2,
+    "success_threshold": 4.0,
+    "fitness_top_k": 3,
+    "noise_reuse": 2,
+}
+"""Every fitness variant at once: each prompt's Pass@2 of a member's 2 sampled completions, z-scored per prompt,
+the best 3 of 6 members moving θ, step 1 reusing step 0's noise directions (so a resume at step 1 must too)."""
 SCENARIOS = {
     "full": {},
     "full_variants": {
@@ -37,7 +48,9 @@ SCENARIOS = {
     "copes": {"es_search_space": "copes", "copes_groups": 2},
     "lowrank": {"es_search_space": "lowrank", "lowrank_rank": 2, "population_size": 6},
     "merge": {"es_search_space": "merge", "population_size": 5},
-    "resume": {},
+    "resume": {"resumed": True},
+    "fitness_variants": FITNESS_VARIANTS,
+    "fitness_variants_resume": {**FITNESS_VARIANTS, "resumed": True},
     "full_adamw": {"es_optimizer": True, "optim": "adamw_torch", "learning_rate": 3e-3, "weight_decay": 0.01},
     "full_sampled": {"sampled": True},
     "lowrank_sampled": {"es_search_space": "lowrank", "population_size": 6, "sampled": True},
@@ -51,7 +64,11 @@ SCENARIOS = {
     "registered_space": {"es_search_space": NormsOnlySpace.name},  # a space defined outside trl-es
     "agents": {},  # tests/training/test_agents.py's dice game: tool calls, an environment per episode, its reward
 }
-SAME = [("full", "resume"), ("lowrank_sampled", "lowrank_sampled_per_call_2")]
+SAME = [
+    ("full", "resume"),
+    ("fitness_variants", "fitness_variants_resume"),
+    ("lowrank_sampled", "lowrank_sampled_per_call_2"),
+]
 """Scenarios that must end with the same weights in any environment: a resumed run and an uninterrupted one; a
 sampled population whatever the number of members per generate call."""
 VLLM_SCENARIOS = ("full", "copes")
@@ -94,7 +111,7 @@ def prepare(models: Path, tokenizer_dir: str) -> None:
 
 
 def run(scenario: str, models: Path, out: Path, resume=None, **extra) -> str:
-    """Train the scenario's 2 steps, greedy unless it is `sampled` (resume: stop after step 1, resume from
+    """Train the scenario's 2 steps, greedy unless it is `sampled` (`resumed`: stop after step 1, resume from
     checkpoint-1; or from `resume`, as `train` takes it); the weights' hash. `extra` overrides ESConfig fields."""
     from trl_es import ESTrainer
 
@@ -109,9 +126,10 @@ def run(scenario: str, models: Path, out: Path, resume=None, **extra) -> str:
     folder = out / scenario
     adapter = {"peft_config": lora_config()} if overrides.pop("adapter", False) else {}
     greedy = {} if overrides.pop("sampled", False) else {"generation_kwargs": {"do_sample": False}}
+    resumed = overrides.pop("resumed", False)
     settings = dict(**greedy, per_device_train_batch_size=8, use_cpu=True, **overrides)
     dataset = Dataset.from_dict({"prompt": PROMPTS})
-    if scenario == "resume":
+    if resumed:
         first = ESTrainer(
             model_dir,
             reward,

@@ -68,6 +68,7 @@ SETTINGS = {
     "patterns": {"es_parameter_patterns": [r"layers\.1\.", "norm"], "antithetic": True},
     "copes": {"es_search_space": "copes", "copes_groups": 2, "weight_decay": 0.05},
     "lowrank": {"es_search_space": "lowrank", "lowrank_rank": 2},
+    "fitness_variants": {"es_search_space": "lowrank", "scale_rewards": "group", "fitness_top_k": 2, "noise_reuse": 2},
 }
 
 

@@ -24,6 +24,7 @@ Not adapted, and why:
 """
 
 import asyncio
+import warnings
 from contextlib import nullcontext
 
 import pytest
@@ -397,13 +398,12 @@ def test_reward_processing_classes(models, tmp_path):
     "scale_rewards", [False, "group", *(pytest.param(s, marks=pytest.mark.slow) for s in ("batch", True, "none"))]
 )
 def test_train_scale_rewards(models, tmp_path, scale_rewards):
-    """GRPO's advantage scaling has no meaning for ES (fitness_shaping does that): accepted, trained, reported."""
-    with (
-        pytest.warns(UserWarning, match="ignored by ES: .*scale_rewards")
-        if scale_rewards != "group"
-        else nullcontext()
-    ):
+    """GRPO's reward scaling is ES's per-prompt normalisation of the members' rewards: every GRPO value is accepted
+    (True and False as GRPO maps them), none is reported as ignored, and each trains."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="ignored by ES")
         args = std(tmp_path, scale_rewards=scale_rewards)
+    assert args.scale_rewards == {True: "group", False: "none"}.get(scale_rewards, scale_rewards)
     train_and_check(ESTrainer(models["qwen2"], reward_len, args=args, train_dataset=zen()))
 
 

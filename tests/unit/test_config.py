@@ -32,6 +32,12 @@ from trl_es import ESConfig
         ("weight_decay", -0.1),
         ("gradient_accumulation_steps", 0),
         ("vllm_model_impl", "tensorrt"),
+        ("scale_rewards", "rank"),
+        ("fitness_pass_k", 2),  # above num_generations=1
+        ("fitness_pass_k", 0),
+        ("fitness_top_k", 30),  # the whole default population of 30
+        ("fitness_top_k", 0),
+        ("noise_reuse", 0),
     ],
 )
 def test_bad_values_raise_naming_the_field(tmp_path, field, value):
@@ -102,6 +108,27 @@ def test_a_ported_grpo_config_keeps_the_constant_step_size_unless_its_user_set_a
     assert ESConfig.from_grpo_config(grpo()).lr_scheduler_type == "constant"
     assert ESConfig.from_grpo_config(grpo(lr_scheduler_type="cosine")).lr_scheduler_type == "cosine"
     assert ESConfig.from_grpo_config(grpo(), lr_scheduler_type="linear").lr_scheduler_type == "linear"
+
+
+def test_fitness_variants_are_refused_where_they_cannot_mean_what_they_say(tmp_path):
+    """A per-prompt fitness with the centre's baseline or per-function normalisation; top-K with CoPES or Hyper-ES;
+    noise reuse with Hyper-ES: each refused naming the field and the reason. A ported GRPOConfig's default
+    scale_rewards ("group") keeps ES's "none"; one its user set is kept."""
+    refused = [
+        ({"scale_rewards": "group", "es_baseline": "center"}, "scale_rewards.*es_baseline='none'"),
+        ({"fitness_pass_k": 1, "multi_objective_aggregation": "normalize_then_sum"}, "fitness_pass_k.*sum_then"),
+        ({"fitness_top_k": 2, "es_search_space": "copes", "copes_groups": 2}, "fitness_top_k.*CoPES"),
+        ({"fitness_top_k": 2, "es_search_space": "merge", "merge_models": ["m"]}, "fitness_top_k.*CMA-ES"),
+        ({"noise_reuse": 2, "es_search_space": "merge", "merge_models": ["m"]}, "noise_reuse.*CMA-ES"),
+    ]
+    for fields, message in refused:
+        with pytest.raises(ValueError, match=f"ESConfig.{message}"):
+            ESConfig(str(tmp_path), **fields)
+    grpo = GRPOConfig(str(tmp_path), use_cpu=True, bf16=False, learning_rate=1e-3)
+    assert ESConfig.from_grpo_config(grpo).scale_rewards == "none"
+    grpo = GRPOConfig(str(tmp_path), use_cpu=True, bf16=False, learning_rate=1e-3, scale_rewards="batch")
+    assert ESConfig.from_grpo_config(grpo).scale_rewards == "batch"
+    assert ESConfig(str(tmp_path), scale_rewards=True).scale_rewards == "group"
 
 
 def test_gradient_accumulation_is_kept_as_more_prompts_per_step(tmp_path):

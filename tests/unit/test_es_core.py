@@ -15,7 +15,9 @@ from trl_es.es import (
     shape_fitness,
     update_coefficients,
 )
+from trl_es.es.fitness import keep_top_k, pass_at_k_table, prompt_normalized
 from trl_es.es.noise import CHUNK
+from trl_es.es.seeds import noise_step
 from trl_es.es.weights import LocalWeights
 
 
@@ -143,6 +145,51 @@ def test_no_signal_gives_no_fitness():
     assert shape_fitness(torch.tensor([1.0, float("nan"), float("nan")])) is None
     with pytest.raises(ValueError, match="unknown fitness shaping"):
         shape_fitness(torch.tensor([1.0, 2.0]), "bogus")
+
+
+def test_per_prompt_normalisation_keeps_a_prompt_with_larger_rewards_from_deciding_the_ranking():
+    """Member 0 scores 5 on prompt 0, where the others score 0; members 1–3 solve prompts 1 and 2 (reward 1), which
+    member 0 does not. Its mean reward ranks member 0 first; z-scored per prompt ("group"), every prompt weighs the
+    same and the members solving two prompts rank first — by hand: a_0 = (√3 − √3 − √3)/3, a_j = (−1/√3 + 2/√3)/3."""
+    values = torch.tensor([[5.0, 0.0, 0.0], [0.0, 1.0, 1.0], [0.0, 1.0, 1.0], [0.0, 1.0, 1.0]])
+    assert values.mean(1).argmax() == 0
+    group = prompt_normalized(values, "group")
+    root3 = math.sqrt(3)
+    assert torch.allclose(group, torch.tensor([-root3 / 3, *[1 / (3 * root3)] * 3], dtype=torch.float64))
+    centered = values.double().mean(1) - values.double().mean()
+    assert torch.allclose(prompt_normalized(values, "none"), centered)  # the member's mean, centred
+    assert torch.allclose(prompt_normalized(values, "batch"), centered / values.double().std(unbiased=False))
+    # a prompt without spread counts 0; a member without a reward on a prompt is left out of it, none at all is NaN
+    nan = float("nan")
+    partial = prompt_normalized(torch.tensor([[1.0, 1.0], [1.0, nan], [1.0, 0.0], [nan, nan]]), "group")
+    assert torch.allclose(partial[:3], torch.tensor([0.5, 0.0, -0.5], dtype=torch.float64)) and partial[3].isnan()
+    with pytest.raises(ValueError, match="unknown scale_rewards"):
+        prompt_normalized(values, "rank")
+
+
+def test_pass_at_k_fitness_is_the_evaluations_unbiased_estimator():
+    from trl_es.evaluation.metrics import pass_at_k as evaluation_pass_at_k
+
+    n, k = 4, 2
+    shares = torch.tensor([[0.0, 0.25, 0.5], [0.75, 1.0, float("nan")]], dtype=torch.float64)
+    table = pass_at_k_table(shares, n, k)
+    assert table[0].tolist() == [evaluation_pass_at_k(n, c, k) for c in (0, 1, 2)]  # the same estimator
+    assert table[0].tolist() == pytest.approx([0.0, 0.5, 1 - 1 / 6])  # 1 − C(n−c, k)/C(n, k) by hand
+    assert table[1, :2].tolist() == [1.0, 1.0] and table[1, 2].isnan()  # c ≥ n − k + 1 always passes; NaN: none
+
+
+def test_top_k_keeps_the_best_members_fitness_only():
+    rewards = torch.tensor([0.2, 0.9, float("nan"), 0.9, 0.1])
+    fitness = torch.tensor([-0.5, 1.0, 0.0, 1.0, -1.5], dtype=torch.float64)
+    assert keep_top_k(fitness, rewards, 2).tolist() == [0.0, 1.0, 0.0, 1.0, 0.0]
+    assert keep_top_k(fitness, rewards, 3).tolist() == [-0.5, 1.0, 0.0, 1.0, 0.0]  # NaN members are never kept
+    tied = keep_top_k(fitness, torch.tensor([0.9, 0.9, 0.9, 0.9, 0.9]), 1)
+    assert tied.tolist() == [-0.5, 0.0, 0.0, 0.0, 0.0]  # ties go to the earlier member
+
+
+def test_noise_reuse_gives_a_block_of_steps_the_directions_of_its_first():
+    assert [noise_step(t, 3) for t in range(7)] == [0, 0, 0, 3, 3, 3, 6]
+    assert [noise_step(t, 1) for t in range(4)] == [0, 1, 2, 3]
 
 
 def test_antithetic_coefficients_merge_per_seed():

@@ -145,6 +145,9 @@ class CoPESSpace(FullSpace):
         directions = args.population_size // 2 if args.antithetic else args.population_size
         if not 1 <= args.copes_groups <= directions:
             refuse("copes_groups", f"every group needs a member: use 1..{directions} groups for this population")
+        if args.fitness_top_k is not None:
+            refuse("fitness_top_k", "CoPES updates each group from its own members, and the best K may leave a "
+                   "group none: use es_search_space='full' or 'lowrank'")  # fmt: skip
 
     @classmethod
     def _groups(cls, args, weights) -> list[list[str]]:

@@ -274,6 +274,10 @@ class MergeSpace(SearchSpace):
             refuse("es_optimizer", "Hyper-ES moves θ by CMA-ES, not by a gradient estimate")
         if args.sigma_decay != 1:
             refuse("sigma_decay", "Hyper-ES's CMA-ES adapts its own step size (from merge_sigma)")
+        if args.noise_reuse != 1:
+            refuse("noise_reuse", "Hyper-ES's members are CMA-ES's samples, not noise directions to reuse")
+        if args.fitness_top_k is not None:
+            refuse("fitness_top_k", "Hyper-ES's CMA-ES weighs its samples by rank itself")
         if args.es_anchor_decay:
             refuse("es_anchor_decay", "Hyper-ES writes each step's θ as a merge of the starting weights (CMA-ES's "
                    "best), which would overwrite a pull toward them: use es_anchor_decay=0")  # fmt: skip

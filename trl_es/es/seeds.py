@@ -17,8 +17,14 @@ def derive_seed(*parts: object) -> int:
 
 
 def member_seed(seed: int, step: int, index: int) -> int:
-    """seed(t, i): the seed of noise direction `index` at ES step `step`."""
+    """seed(t, i): the seed of noise direction `index` at ES step `step` (a `noise_step`)."""
     return derive_seed("es-member", seed, step, index)
+
+
+def noise_step(step: int, noise_reuse: int) -> int:
+    """The step whose noise directions ES step `step` uses: with `noise_reuse` = k, steps k·m … k·m + k − 1 all use
+    those of step k·m (EGGROLL's noise reuse; k = 1: every step its own)."""
+    return step - step % noise_reuse
 
 
 def sampling_seed(seed: int, step: int, key: object) -> int:

@@ -29,8 +29,8 @@ from typing import ClassVar
 
 import torch
 
-from .fitness import shape_fitness
-from .seeds import member_seed
+from .fitness import keep_top_k, shape_fitness
+from .seeds import member_seed, noise_step
 from .weights import WeightsBackend
 
 
@@ -114,9 +114,10 @@ def anchor_pull(params: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor]
 
 
 class UpdateRule:
-    """What every search space's `tell` shares (ESConfig's ES-step fields), with its state explicit: the σ schedule
-    (`sigma_at`, `sigma_schedule`), the fitness shaping of the members' rewards minus the centre's
-    (`es_baseline="center"`), and what follows a space's update (`after_update`, in training and in a seed chain's
+    """What every search space's `ask` and `tell` share (ESConfig's ES-step fields), with its state explicit: the σ
+    schedule (`sigma_at`, `sigma_schedule`), which step's noise directions a step uses (`noise_reuse`), the fitness
+    shaping of the members' rewards minus the centre's (`es_baseline="center"`), the best `top_k` members kept, and
+    what follows a space's update (`after_update`, in training and in a seed chain's
     replay alike): with `es_optimizer`, the step of the optimizer the trainer hands it (`use_optimizer`) on the
     gradient estimate the space wrote; with `es_anchor_decay` = λ > 0, the anchored decay θ ← θ − λ·(θ − θ₀)
     (`anchor_pull`), θ₀ the run's starting weights, held on the host from the start of training (`hold_anchor`) or taken
@@ -129,24 +130,29 @@ class UpdateRule:
         sigma_limit: float = 0.0,
         shaping: str = "zscore",
         anchor_decay: float = 0.0,
+        top_k: int | None = None,
+        noise_reuse: int = 1,
     ):
         self.sigma, self.sigma_decay, self.sigma_limit, self.shaping = sigma, sigma_decay, sigma_limit, shaping
-        self.anchor_decay = anchor_decay
+        self.anchor_decay, self.top_k, self.noise_reuse = anchor_decay, top_k, noise_reuse
         self.optimizer: torch.optim.Optimizer | None = None
         self.anchor: dict[str, torch.Tensor] | None = None
 
     @classmethod
     def from_config(cls, args) -> UpdateRule:
-        return cls(args.sigma, args.sigma_decay, args.sigma_limit, args.fitness_shaping, args.es_anchor_decay)
+        shaping = (args.sigma, args.sigma_decay, args.sigma_limit, args.fitness_shaping, args.es_anchor_decay)
+        return cls(*shaping, top_k=args.fitness_top_k, noise_reuse=args.noise_reuse)
 
     def sigma_at(self, step: int) -> float:
         return sigma_schedule(self.sigma, self.sigma_decay, self.sigma_limit, step)
 
     def fitness(self, rewards: torch.Tensor, center: float | None) -> torch.Tensor | None:
         """The shaped fitness of the members' `rewards` (NaN: none) minus the centre's reward `center` (when there
-        is one, and it is a number); None when the rewards carry no signal (no spread)."""
+        is one, and it is a number), the best `top_k` members' only when set; None when the rewards carry no signal
+        (no spread)."""
         baseline = center if center is not None and not math.isnan(center) else 0.0
-        return shape_fitness(rewards - baseline, self.shaping)
+        fitness = shape_fitness(rewards - baseline, self.shaping)
+        return fitness if fitness is None or self.top_k is None else keep_top_k(fitness, rewards, self.top_k)
 
     def use_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """With `es_optimizer`: the optimizer that steps on the gradient estimate after each update."""
@@ -218,12 +224,13 @@ class SearchSpace:
 
     def ask(self, step: int) -> list:
         """The step's members, in order, formed at σ_t (`UpdateRule.sigma_at`; spaces without σ refuse a schedule:
-        ESConfig's check)."""
-        return self._ask(step, self.rule.sigma_at(step))
+        ESConfig's check) from the noise directions of step `noise_step(step, noise_reuse)` (spaces without noise
+        directions refuse noise_reuse)."""
+        return self._ask(noise_step(step, self.rule.noise_reuse), self.rule.sigma_at(step))
 
     def _ask(self, step: int, sigma: float) -> list:
-        """The step's members at noise scale `sigma`, in order; each is a value only this space reads (a
-        `Direction` carries its σ)."""
+        """The members of the noise directions of step `step` at noise scale `sigma`, in order; each is a value only
+        this space reads (a `Direction` carries its σ)."""
         raise NotImplementedError
 
     def members_per_call(self, n_local: int) -> int:

@@ -1,7 +1,8 @@
 """The research's evaluation metrics, as plain functions: Pass@K, Maj@K, token entropy, population diversity.
 
 - `pass_at_k`: the unbiased estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on Code"),
-  1 − C(n−c, k)/C(n, k) for n samples of which c are correct, computed as a stable product.
+  1 − C(n−c, k)/C(n, k) for n samples of which c are correct, computed as a stable product (defined in
+  `trl_es.es.fitness`, where the Pass@k fitness uses it too).
 - `maj_at_k`: the unbiased Maj@K, as Pass@K is unbiased: the majority vote's correctness averaged over all C(n, K)
   subsets of K of the n samples, computed exactly (the subsets' vote counts are enumerated combinatorially, class by
   class, not sampled). In a subset, the extracted answers vote (unparsable ones, None, do not; no vote at all is
@@ -29,18 +30,8 @@ from functools import lru_cache
 
 import torch
 
+from ..es.fitness import pass_at_k  # noqa: F401  (part of this module's metrics)
 from ..generation.transformers_backend import token_entropy
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased Pass@K from n samples with c correct: 1 − C(n−c, k)/C(n, k)."""
-    if not 0 <= c <= n:
-        raise ValueError(f"the number of correct samples c={c} must be in [0, n={n}]")
-    if not 1 <= k <= n:
-        raise ValueError(f"Pass@{k} needs 1 ≤ K ≤ n samples per problem, got n={n}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 def maj_at_k(answers: list, correct: list[bool], k: int) -> float:

@@ -16,7 +16,7 @@ from . import countdown as _countdown
 from . import gsm8k as _gsm8k
 from . import hotpotqa as _hotpotqa
 from . import math500 as _math500
-from .arithmetic import first_integer_reward, last_integer_reward, small_sums
+from .arithmetic import first_integer_reward, last_integer_reward, small_sums, wide_sums
 from .commonsenseqa import choice_reward, commonsenseqa
 from .competition_math import aime24, aime25, amc23, deepscaler
 from .countdown import countdown, countdown_reward
@@ -64,6 +64,9 @@ TASKS = {
     ),
     "small_sums_last": Task(
         "small_sums_last", small_sums, last_integer_reward, ("answer",), "test", 32, _arithmetic.extract_last_answer
+    ),
+    "small_sums_last_wide": Task(
+        "small_sums_last_wide", wide_sums, last_integer_reward, ("answer",), "test", 32, _arithmetic.extract_last_answer
     ),
     "aime24": Task(
         "aime24", aime24, math_reward, ("answer",), "test", 2048, _math500.extract_answer, _math500.same_answer
@@ -121,4 +124,5 @@ __all__ = [
     "mbpp_reward",
     "small_sums",
     "last_integer_reward",
+    "wide_sums",
 ]

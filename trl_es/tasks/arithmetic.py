@@ -8,6 +8,9 @@ near 0.35, Pass@16 above 0.9, docs/study.md), where a base already covers the ta
 Chosen from a calibration run: SmolLM2-135M-Instruct gets a few of these right (3/64 held
 out), so the population's rewards differ and ES has a signal; on two-digit sums it scores 0 and ES learns nothing.
 The 144 pairs are shuffled with a fixed seed into disjoint pools: 64 for training and 64 held out.
+`wide_sums` (the task `small_sums_last_wide`) keeps those 64 held-out problems and trains on every other sum of two
+numbers in 1..33 (1,025 problems): a pool a small model cannot memorise in an hour of training, where ES's 64
+problems are seen again every 8 steps.
 """
 
 from __future__ import annotations
@@ -24,14 +27,32 @@ _ONLY_A_NUMBER = re.compile(r"\s*-?\d+\s*\.?\s*")
 
 def small_sums(split: str = "train", conversational: bool = True, low: int = 1, high: int = 12) -> Dataset:
     """Columns: `prompt` (a chat message list, or plain text with `conversational=False`) and `answer` (str)."""
-    pairs = [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)]
-    random.Random(0).shuffle(pairs)
-    pools = {"train": pairs[:64], "test": pairs[64:128]}
+    pools = _pools(low, high)
     if split not in pools:
         raise ValueError(f"unknown split {split!r}; choose 'train' or 'test'")
-    questions = [f"What is {a} + {b}?" for a, b in pools[split]]
+    return _dataset(pools[split], conversational)
+
+
+def wide_sums(split: str = "train", conversational: bool = True, high: int = 33) -> Dataset:
+    """`small_sums`' held-out pool for "test"; for "train", every other pair a, b in 1..`high`, shuffled."""
+    if split != "train":
+        return small_sums(split, conversational)
+    held_out = set(_pools(1, 12)["test"])
+    pairs = [(a, b) for a in range(1, high + 1) for b in range(1, high + 1) if (a, b) not in held_out]
+    random.Random(0).shuffle(pairs)
+    return _dataset(pairs, conversational)
+
+
+def _pools(low: int, high: int) -> dict[str, list[tuple[int, int]]]:
+    pairs = [(a, b) for a in range(low, high + 1) for b in range(low, high + 1)]
+    random.Random(0).shuffle(pairs)
+    return {"train": pairs[:64], "test": pairs[64:128]}
+
+
+def _dataset(pairs: list[tuple[int, int]], conversational: bool) -> Dataset:
+    questions = [f"What is {a} + {b}?" for a, b in pairs]
     prompts = [[{"role": "user", "content": q}] for q in questions] if conversational else questions
-    return Dataset.from_dict({"prompt": prompts, "answer": [str(a + b) for a, b in pools[split]]})
+    return Dataset.from_dict({"prompt": prompts, "answer": [str(a + b) for a, b in pairs]})
 
 
 def _text(completion) -> str:

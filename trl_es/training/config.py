@@ -17,7 +17,7 @@ from transformers.utils import is_torch_bf16_gpu_available
 from trl.trainer.grpo_config import GRPOConfig
 
 from ..es import SEARCH_SPACES
-from ..es.fitness import SHAPINGS
+from ..es.fitness import SCALE_REWARDS, SHAPINGS
 from ..es.noise import CHUNK, MAX_TABLE_SIZE
 from ..generation.vllm_engine import ENGINE_DEFAULTS
 from ..util.compat import grpo_default
@@ -57,6 +57,8 @@ DEFAULTS_UNLIKE_GRPO = {
     "max_grad_norm": "0: ES computes no gradients to clip",
     "gradient_checkpointing": "False: ES runs no backward pass",
     "dataloader_pin_memory": "False: ES's batches are rows of text, with no tensors to pin",
+    "scale_rewards": "'none': a member's reward is its mean over the prompts, as ES is usually run ('group' normalises "
+    "each prompt across the population, GRPO's group advantage)",
     "bf16": "False on CPU, where GRPOConfig's True is an error without use_cpu (True on an accelerator, as GRPO's)",
 }
 """The fields whose ESConfig default differs from GRPOConfig's, and why."""
@@ -211,6 +213,44 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             "choices": list(SHAPINGS),
         },
     )
+    scale_rewards: str = field(
+        default="none",
+        metadata={
+            "group": STEP,
+            "chain": True,
+            "card": True,
+            "help": "GRPO's field, ES's counterpart: how each prompt's rewards are normalised across the population "
+            "before a member's reward R_i averages them over the step's prompts. 'group' (GRPO's default): each "
+            "prompt's member rewards are z-scored across the members, so every prompt weighs the same in the "
+            "ranking and an easy prompt no longer decides it; 'batch': centred per prompt and divided by the step's "
+            "std; 'none' (ES's default): R_i is the member's mean reward (with fitness_shaping 'zscore' or "
+            "'centered_rank', 'batch' gives the same update). True and False mean 'group' and 'none', as in GRPO.",
+            "choices": list(SCALE_REWARDS),
+        },
+    )
+    fitness_pass_k: int | None = field(
+        default=None,
+        metadata={
+            "group": STEP,
+            "chain": True,
+            "card": True,
+            "help": "A member's reward on a prompt is the unbiased Pass@k of its `num_generations` completions (a "
+            "completion succeeds when its combined reward is ≥ success_threshold), so ES optimises what sampling "
+            "solves, not the mean reward. 1 ≤ k ≤ num_generations; members should sample (temperature > 0). None: "
+            "the completions' mean reward.",
+        },
+    )
+    fitness_top_k: int | None = field(
+        default=None,
+        metadata={
+            "group": STEP,
+            "chain": True,
+            "card": True,
+            "help": "Only the K members with the highest reward move θ (RandOpt / CoRP's consolidation of the best "
+            "members): the others' z_i are set to 0 in θ ← θ + α·(1/N)·Σ z_i ε_i, so the step is smaller; raise "
+            "learning_rate to keep its size. None: every member. Not with CoPES or Hyper-ES.",
+        },
+    )
     es_baseline: str = field(
         default="none",
         metadata={
@@ -220,6 +260,17 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             "help": "'center' also evaluates the unperturbed θ each step, logs it as `es/center_reward` and subtracts "
             "it from every R_i (this changes the update only with fitness_shaping='none'). 'none' does neither.",
             "choices": list(BASELINES),
+        },
+    )
+    noise_reuse: int = field(
+        default=1,
+        metadata={
+            "group": STEP,
+            "chain": True,
+            "card": True,
+            "help": "Reuse each step's noise directions for this many steps (EGGROLL's noise reuse): steps k·m … "
+            "k·m + k − 1 evaluate the directions of step k·m around the θ each reached. 1: new directions every "
+            "step. Not with Hyper-ES, which has no noise directions.",
         },
     )
     common_generation_seed: bool = field(
@@ -661,13 +712,15 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
 
         A schedule counts as set when `lr_scheduler_type` differs from GRPOConfig's default ("linear", decay to 0):
         left at that default, ES keeps its constant α (pass `lr_scheduler_type="linear"` among `changes` for the
-        decay)."""
+        decay). Likewise `scale_rewards` left at GRPO's "group" keeps ES's "none" (pass it among `changes`)."""
         values = {
             f.name: getattr(config, f.name) for f in fields(config) if f.init and f.name in cls.__dataclass_fields__
         }
         schedule = getattr(config.lr_scheduler_type, "value", config.lr_scheduler_type)  # a SchedulerType or its name
         if schedule == GRPOConfig.__dataclass_fields__["lr_scheduler_type"].default:
             del values["lr_scheduler_type"]
+        if values["scale_rewards"] in (GRPOConfig.__dataclass_fields__["scale_rewards"].default, True):
+            del values["scale_rewards"]
         return cls(**{**values, **changes})
 
     def _refuse(self, name: str, why: str):
@@ -691,6 +744,7 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             refuse("fitness_shaping", f"choose one of {SHAPINGS}")
         if self.es_baseline not in BASELINES:
             refuse("es_baseline", f"choose one of {BASELINES}")
+        self._check_fitness()
         if not CHUNK <= self.noise_table_size <= MAX_TABLE_SIZE:
             refuse(
                 "noise_table_size",
@@ -712,6 +766,28 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             )
         if self.sparse_delta_tau is not None and not self.sparse_delta_tau >= 0:
             refuse("sparse_delta_tau", "the magnitude threshold must be ≥ 0")
+
+    def _check_fitness(self):
+        """The per-prompt fitness (`scale_rewards`, `fitness_pass_k`), `fitness_top_k` and `noise_reuse`."""
+        refuse = self._refuse
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        if self.scale_rewards not in SCALE_REWARDS:
+            refuse("scale_rewards", f"choose one of {SCALE_REWARDS} (or True / False, GRPO's 'group' / 'none')")
+        k = self.fitness_pass_k
+        if k is not None and not (isinstance(k, int) and 1 <= k <= self.num_generations):
+            refuse("fitness_pass_k", f"Pass@k needs 1 ≤ k ≤ num_generations={self.num_generations} completions")
+        per_prompt = [name for name in ("scale_rewards", "fitness_pass_k") if getattr(self, name) not in ("none", None)]
+        if per_prompt and self.es_baseline == "center":
+            refuse(per_prompt[0], "R_i is then normalised per prompt or a Pass@k, which the centre's mean reward, "
+                   "subtracted by es_baseline='center', is not: use es_baseline='none'")  # fmt: skip
+        if per_prompt and self.multi_objective_aggregation != "sum_then_normalize":
+            refuse(per_prompt[0], "it scores each prompt by the combined reward, which multi_objective_aggregation="
+                   "'normalize_then_sum' replaces: use 'sum_then_normalize'")  # fmt: skip
+        k = self.fitness_top_k
+        if k is not None and not (isinstance(k, int) and 1 <= k < self.population_size):
+            refuse("fitness_top_k", f"keep 1 ≤ K < population_size={self.population_size} members (None: all)")
+        if not (isinstance(self.noise_reuse, int) and self.noise_reuse >= 1):
+            refuse("noise_reuse", "each step's noise directions are used for a whole number ≥ 1 of steps")
 
     def _check_search_space(self):
         if self.es_search_space not in SEARCH_SPACES:

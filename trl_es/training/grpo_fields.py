@@ -26,7 +26,7 @@ NO_ENTROPY_TERM = "ES adds no entropy bonus to a loss (log_completion_entropy lo
 NO_BATCHING = "one ES step generates all its members' completions for the step's prompts"
 IGNORED = {
     **dict.fromkeys(
-        ["epsilon", "delta", "epsilon_high", "loss_type", "importance_sampling_level", "scale_rewards",
+        ["epsilon", "delta", "epsilon_high", "loss_type", "importance_sampling_level",
          "sapo_temperature_neg", "sapo_temperature_pos", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
          "vespo_lambda_neg", "off_policy_mask_threshold", "router_aux_loss_coef", "cast_lm_head_to_fp32",
          "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
+from ..es.fitness import pass_at_k_table, prompt_normalized
 from ..es.seeds import completion_seeds, sampling_seed
 from ..evaluation.metrics import js_diversity
 
@@ -255,11 +256,24 @@ class Population:
         gains the seconds spent forming members ("noise"), generating, scoring and exchanging."""
         slots = [None] * (self.args.es_baseline == "center") + members
         summaries = self._evaluate_slots(rows, step, slots, times, **context)
-        layout, weights = self.layout(len(rows)), self.reward_functions.reward_weights
+        layout = self.layout(len(rows))
         member_rows = summaries[len(slots) - len(members) :]
-        rewards = layout.member_rewards(member_rows, weights, self.args.multi_objective_aggregation)
         center = summaries[0, layout.reward].item() if len(slots) > len(members) else None
-        return member_rows, rewards, center
+        return member_rows, self.member_rewards(member_rows, layout), center
+
+    def member_rewards(self, member_rows: torch.Tensor, layout: SummaryLayout) -> torch.Tensor:
+        """R_i of each member's row: its mean reward (aggregated as `multi_objective_aggregation` says), or, with
+        `fitness_pass_k` or `scale_rewards`, the mean over prompts of its per-prompt reward or Pass@k, each prompt
+        normalised across the members (`trl_es.es.fitness.prompt_normalized`)."""
+        args = self.args
+        if args.fitness_pass_k is None and args.scale_rewards == "none":
+            weights = self.reward_functions.reward_weights
+            return layout.member_rewards(member_rows, weights, args.multi_objective_aggregation)
+        if args.fitness_pass_k is None:
+            per_prompt = member_rows[:, layout.prompt_rewards]
+        else:
+            per_prompt = pass_at_k_table(member_rows[:, layout.success], args.num_generations, args.fitness_pass_k)
+        return prompt_normalized(per_prompt, args.scale_rewards)
 
     def _evaluate_slots(self, rows: list[dict], step: int, slots: list, times: dict, **context) -> torch.Tensor:
         """Every slot's summary row (None: the centre), all processes', after the step's one all-reduce."""
