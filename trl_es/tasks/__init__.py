@@ -66,7 +66,13 @@ TASKS = {
         "small_sums_last", small_sums, last_integer_reward, ("answer",), "test", 32, _arithmetic.extract_last_answer
     ),
     "small_sums_last_wide": Task(
-        "small_sums_last_wide", wide_sums, last_integer_reward, ("answer",), "test", 32, _arithmetic.extract_last_answer
+        "small_sums_last_wide",
+        wide_sums,
+        last_integer_reward,
+        ("answer",),
+        "test",
+        32,
+        _arithmetic.extract_last_answer,
     ),
     "aime24": Task(
         "aime24", aime24, math_reward, ("answer",), "test", 2048, _math500.extract_answer, _math500.same_answer

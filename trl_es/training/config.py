@@ -776,7 +776,9 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         k = self.fitness_pass_k
         if k is not None and not (isinstance(k, int) and 1 <= k <= self.num_generations):
             refuse("fitness_pass_k", f"Pass@k needs 1 ≤ k ≤ num_generations={self.num_generations} completions")
-        per_prompt = [name for name in ("scale_rewards", "fitness_pass_k") if getattr(self, name) not in ("none", None)]
+        per_prompt = [
+            name for name in ("scale_rewards", "fitness_pass_k") if getattr(self, name) not in ("none", None)
+        ]
         if per_prompt and self.es_baseline == "center":
             refuse(per_prompt[0], "R_i is then normalised per prompt or a Pass@k, which the centre's mean reward, "
                    "subtracted by es_baseline='center', is not: use es_baseline='none'")  # fmt: skip
