@@ -228,7 +228,7 @@ def model_dir(model, tokenizer) -> str:
 class VLLMGeneration(Generation):
     """Generation through a vLLM engine; tokenization and the completions' form are `Generation`'s. vLLM returns no
     full next-token distribution, so no token entropy. Inside `VLLMWeights.lowrank_members`, each row goes through
-    its member's adapter (`row_adapters`)."""
+    its member's adapter (`route`)."""
 
     def __init__(
         self, engine, model, tokenizer, generation_config, eos_token_ids, chat_template_kwargs, generation_kwargs=None
@@ -239,8 +239,17 @@ class VLLMGeneration(Generation):
         extra = {k: v for k, v in (generation_kwargs or {}).items() if k not in known}
         self.settings = sampling_settings(generation_config, eos_token_ids, extra)
         self.engine = engine
-        self.row_adapters: list[int] | int | None = None  # set by a members' route (low-rank, adapter members)
-        self.default_adapter: int | None = None  # the LoRA slot every other call goes through (an adapter's θ)
+        self.row_adapters: list[int] | int | None = None  # `route`
+        self.default_adapter: int | None = None  # `use_default_adapter`
+
+    def route(self, targets: list[int] | int | None) -> None:
+        """The LoRA adapter (or server) each row of the next generate calls goes through: row b through
+        `targets[b]`, every row through `targets` when it is one id, or none chosen (None): the default adapter."""
+        self.row_adapters = targets
+
+    def use_default_adapter(self, adapter: int) -> None:
+        """The LoRA adapter every call goes through outside a members' `route` (an adapter run's θ, in slot 0)."""
+        self.default_adapter = adapter
 
     @property
     def max_model_length(self) -> int | None:
@@ -379,7 +388,7 @@ class VLLMWeights:
         if any(r["fingerprint"] != self.local.fingerprint() for r in results):
             raise RuntimeError("vLLM's copy of the adapter differs from the trainer's")
         self.adapter_ids, self.members_in_place = results[0]["adapter_ids"], True
-        self.generation.default_adapter = self.adapter_ids[0]
+        self.generation.use_default_adapter(self.adapter_ids[0])
         self.started = True
 
     def loaded(self, checkpoint: str) -> None:
@@ -452,7 +461,7 @@ class VLLMWeights:
             self._changed("es_lowrank_members", {"members": [[seed, scale] for seed, scale in members]})
             yield self._route(self.adapter_ids[: len(members)])
         finally:
-            self.generation.row_adapters = None
+            self.generation.route(None)
             self._changed("es_lowrank_members", {"members": []})
 
     @contextlib.contextmanager
@@ -471,7 +480,7 @@ class VLLMWeights:
         try:
             yield self._route(self.adapter_ids[1 : len(members) + 1])
         finally:
-            self.generation.row_adapters = None
+            self.generation.route(None)
 
     def _members_on_servers(self, members: list[tuple[int, float, list[str] | None]]):
         """Member k written into server k (`members`), all at once; each server back to θ on exit."""
@@ -484,7 +493,7 @@ class VLLMWeights:
             engine.change_each(calls)
             yield self._route(list(range(len(members))))
         finally:
-            self.generation.row_adapters = None
+            self.generation.route(None)
             engine.change_each({k: ("es_restore", {}) for k in calls})
 
     def _route(self, targets: list[int]):
@@ -495,7 +504,7 @@ class VLLMWeights:
             if not all(0 <= m < len(targets) for m in rows):
                 raise ValueError(f"row_members must lie in [0, {len(targets)}), got {sorted(set(rows))}")
             chosen = [targets[m] for m in rows]
-            self.generation.row_adapters = chosen[0] if isinstance(row_members, int) else chosen
+            self.generation.route(chosen[0] if isinstance(row_members, int) else chosen)
 
         return route
 

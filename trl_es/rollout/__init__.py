@@ -2,7 +2,8 @@
 implementations, chosen once per run (`make_rollout`) and used by training and evaluation alike:
 
 - `PlainRollout` (`plain`): one batched `generate` of the generation backend on the rows' prompts;
-- `Agents` (`episodes`): multi-turn episodes with tools and environments, GRPOTrainer's agent contracts;
+- `AgentRollout` (`episodes`): multi-turn episodes of the run's `Agents` (tools and environments, GRPOTrainer's agent
+  contracts);
 - `RolloutFunction` (`functions`): the user's `rollout_func(prompts, trainer)`, which generates by itself.
 """
 
@@ -12,7 +13,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ..generation import Completions
-from .episodes import Agents
+from .episodes import AgentRollout, Agents
 from .functions import RolloutFunction
 from .plain import PlainRollout
 
@@ -31,8 +32,6 @@ class Rollout(Protocol):
     """Whether one call evaluates several members (rows routed to each); False: one member per call."""
     records_entropy: bool
     """Whether `record_entropy=True` gives each completion's summed token entropy."""
-    reward_funcs: list[Callable]
-    """Reward functions the rollout owns (an environment's `get_reward`), scored after the user's."""
 
     def __call__(
         self,
@@ -66,10 +65,8 @@ def make_rollout(generation, agents: Agents | None = None, rollout_func=None, tr
     if rollout_func is not None:
         return RolloutFunction(rollout_func, trainer, generation)
     if agents is not None:
-        agents.generation = generation
-        agents.max_model_length = generation.max_model_length
-        return agents
+        return AgentRollout(agents, generation)
     return PlainRollout(generation)
 
 
-__all__ = ["Agents", "PlainRollout", "Rollout", "RolloutFunction", "check_agent_arguments", "make_rollout", "unrouted"]
+__all__ = ["AgentRollout", "Agents", "PlainRollout", "Rollout", "RolloutFunction", "check_agent_arguments", "make_rollout", "unrouted"]

@@ -99,11 +99,7 @@ class Episode:
 
 class Agents:
     """The tools and environments of a run (see the module docstring), checked at construction as GRPOTrainer checks
-    them; a rollout (`trl_es.rollout.Rollout`) over `generation` whose calls play episodes (`run`)."""
-
-    batches_members = True
-    records_entropy = False
-    generation = None  # the generation backend, given by `make_rollout`
+    them; `run` plays episodes through a generation backend (`AgentRollout` is the run's rollout over it)."""
 
     def __init__(self, processing_class, args, tools: list[Callable] | None = None, environment_factory=None):
         """`processing_class`: the tokenizer, or a vision-language model's processor (which renders the prompts and
@@ -116,7 +112,6 @@ class Agents:
         self.multi_environment = isinstance(environment_factory, dict)
         if environment_factory is not None:
             self.factories = environment_factory if self.multi_environment else {None: environment_factory}
-        self.max_model_length = None
         self.max_iterations = args.max_tool_calling_iterations
         self.environment_tools: dict = {}  # environment name → the tools its episodes are rendered with
         self.pool: dict = {}  # environment name → its instances, each handed to one episode per step
@@ -268,10 +263,6 @@ class Agents:
 
     # ---- one generate call --------------------------------------------------------------------------------------
 
-    def __call__(self, rows, n, seeds, n_members=1, route=None, key=None, record_entropy=False) -> Completions:
-        """The `Rollout` call: `run` with this rollout's generation backend."""
-        return self.run(rows, n_members, n, seeds, key, route or (lambda members: None), self.generation)
-
     def run(self, rows: list[dict], n_members: int, n: int, seeds: list[int], key, route, generation):
         """The episodes of one generate call: `n_members` members × `rows` × `n` generations, member-major, the
         call's first turn for every episode and later turns for those still calling tools (each routed to its member
@@ -362,7 +353,7 @@ class Agents:
                     and (self.max_iterations is None or turn < self.max_iterations)
                 ):
                     calling.append(e)
-            active = [e for e in calling if self._call_tools(episodes[e])]
+            active = [e for e in calling if self._call_tools(episodes[e], generation.max_model_length)]
             turn += 1
 
     def _message(self, ids: list[int], prefix: list[int], tools: list[Callable]) -> dict:
@@ -378,10 +369,11 @@ class Agents:
 
     # ---- tools --------------------------------------------------------------------------------------------------
 
-    def _call_tools(self, episode: Episode) -> bool:
+    def _call_tools(self, episode: Episode, context: int | None) -> bool:
         """Run the tool calls of the episode's last message (its sync calls in order, then its async calls together)
         and append their results; False (and nothing appended) when the results would overflow the completion budget
-        or the model's context: the episode ends there. A result too long to fit is not even tokenized."""
+        or the model's `context` (None: unbounded): the episode ends there. A result too long to fit is not even
+        tokenized."""
         calls = episode.messages[-1]["tool_calls"]
         names = [call.get("function", {}).get("name", call.get("name", "unknown")) for call in calls]
         results, waiting = [None] * len(calls), {}  # waiting: call index → its coroutine
@@ -412,7 +404,6 @@ class Agents:
             return False  # more tokens than the room left, whatever they are
         suffix = tool_suffix_ids(self.processing_class, self.chat_template, self.args.chat_template_kwargs, messages)
         total = len(episode.completion_ids) + len(suffix)
-        context = self.max_model_length
         if total > self.args.max_completion_length or (context and len(episode.prompt_ids) + total >= context):
             return False
         episode.messages += messages
@@ -458,3 +449,16 @@ class Agents:
                 results[i] = future.result()
             except Exception as error:  # the model's mistake, shown to it as the tool's answer
                 results[i] = self._failed(episode, error)
+
+
+class AgentRollout:
+    """The `Rollout` of a run with tools or environments: `agents`' episodes played through `generation`."""
+
+    batches_members = True
+    records_entropy = False
+
+    def __init__(self, agents: Agents, generation):
+        self.agents, self.generation = agents, generation
+
+    def __call__(self, rows, n, seeds, n_members=1, route=None, key=None, record_entropy=False) -> Completions:
+        return self.agents.run(rows, n_members, n, seeds, key, route or (lambda members: None), self.generation)

@@ -24,7 +24,6 @@ class RolloutFunction:
 
     batches_members = False
     records_entropy = False
-    reward_funcs: list = []
 
     def __init__(self, rollout_func: Callable, trainer, generation):
         self.rollout_func, self.trainer, self.generation = rollout_func, trainer, generation

@@ -11,7 +11,6 @@ class PlainRollout:
     member-major, each routed to its member, each with its prompt's images."""
 
     batches_members = True
-    reward_funcs: list = []
 
     def __init__(self, generation):
         self.generation = generation
