@@ -69,4 +69,13 @@ def make_rollout(generation, agents: Agents | None = None, rollout_func=None, tr
     return PlainRollout(generation)
 
 
-__all__ = ["AgentRollout", "Agents", "PlainRollout", "Rollout", "RolloutFunction", "check_agent_arguments", "make_rollout", "unrouted"]
+__all__ = [
+    "AgentRollout",
+    "Agents",
+    "PlainRollout",
+    "Rollout",
+    "RolloutFunction",
+    "check_agent_arguments",
+    "make_rollout",
+    "unrouted",
+]
