@@ -8,7 +8,7 @@ import json
 import pytest
 
 from trl_es.commands.vllm_serve import TokenMiddleware, reachable_from_other_machines, serve_command
-from trl_es.generation.vllm_worker import parse_payload
+from trl_es.generation.vllm_payload import parse_payload
 
 
 def status(middleware, path, headers=()):

@@ -46,84 +46,19 @@ from __future__ import annotations
 
 import ctypes
 import glob
-import json
 import math
 import os
 
 import torch
 
 from ..es.lowrank import apply_lowrank_update, lowrank_factors
-from ..es.noise import CHUNK, MAX_TABLE_SIZE, Region
 from ..es.weights import LocalWeights, weights_hash
+from .vllm_payload import parse_payload
+from .vllm_shards import EXPERT_TENSORS, MOE_KERNELS, expert_region, factor_rows, pack_experts, shard_region
 
 
 M_MMAP_THRESHOLD = -3
 """glibc's `mallopt` parameter: the size from which `malloc` maps a block of its own (returned to the system on free)."""
-MAX_COEFFICIENTS = 1 << 16
-"""Most (seed, coefficient) pairs one update may carry: the population size bounds them."""
-EXPERT_TENSORS = {"gate_up_proj": "w13_weight", "down_proj": "w2_weight"}
-"""A mixture of experts' fused expert tensors in transformers and the parameters of vLLM's fused-MoE layer that hold
-them in the same layout: gate_up_proj [E, 2I, H] (each expert's gate rows, then its up rows) is w13_weight,
-down_proj [E, H, I] is w2_weight."""
-MOE_KERNELS = ("TRITON", "BATCHED_TRITON", "CPU")
-"""vLLM's unquantized MoE kernels that compute with w13_weight and w2_weight as loaded (Triton's), or from a packed
-copy that the worker re-makes (vLLM's CPU kernel); the others lay the experts out their own way after loading
-(FlashInfer puts the up rows first, AITER shuffles them), which a member written by name would not follow."""
-
-
-def _is_int(value) -> bool:
-    return type(value) is int
-
-
-def _is_finite(value) -> bool:
-    return type(value) in (int, float) and math.isfinite(value)
-
-
-def _is_names(value) -> bool:
-    return isinstance(value, list) and all(isinstance(name, str) for name in value)
-
-
-def _is_module(value) -> bool:
-    """[HF linear module, LoRA A's name, LoRA B's name, scaling]: one adapted layer (`es_adapter_init`)."""
-    return isinstance(value, list) and len(value) == 4 and _is_names(value[:3]) and _is_finite(value[3])
-
-
-def _is_coefficients(value) -> bool:
-    pairs = isinstance(value, list) and len(value) <= MAX_COEFFICIENTS
-    return pairs and all(isinstance(p, list) and len(p) == 2 and _is_int(p[0]) and _is_finite(p[1]) for p in value)
-
-
-FIELDS = {
-    "seed": _is_int,
-    "noise_table_size": lambda v: _is_int(v) and CHUNK <= v <= MAX_TABLE_SIZE,
-    "dtype": lambda v: v in ("float32", "bfloat16", "float16"),
-    "names": lambda v: v is None or (_is_names(v) and len(v) > 0),
-    "path": lambda v: v is None or (isinstance(v, str) and os.path.isdir(v)),
-    "scale": _is_finite,
-    "decay": lambda v: _is_finite(v) and v >= 0,
-    "coefficients": _is_coefficients,
-    "rank": lambda v: _is_int(v) and 1 <= v <= 512,
-    "slots": lambda v: _is_int(v) and 1 <= v <= MAX_COEFFICIENTS,
-    "members": _is_coefficients,  # [[seed, scale], ...]: scale = σ·sign, 0 for the centre
-    "member_names": lambda v: isinstance(v, list) and all(n is None or _is_names(n) for n in v),
-    "modules": lambda v: isinstance(v, list) and all(_is_module(m) for m in v),
-}
-"""What each payload field must be; the worker checks every call's arguments before acting on any."""
-
-
-def parse_payload(payload: str, *required: str) -> dict:
-    """The JSON `payload` with its fields checked (`FIELDS`); a ValueError names the first unknown, missing or bad
-    field, before anything changes."""
-    try:
-        args = json.loads(payload)
-    except (TypeError, json.JSONDecodeError) as error:
-        raise ValueError(f"the ES worker takes one JSON object of arguments: {error}") from error
-    if not isinstance(args, dict):
-        raise ValueError("the ES worker takes one JSON object of arguments")
-    for key in [*required, *args]:
-        if key not in FIELDS or key not in args and key in required or not FIELDS[key](args.get(key)):
-            raise ValueError(f"the ES worker refuses argument {key!r}={str(args.get(key))[:80]}")
-    return args
 
 
 def _reuse_freed_memory() -> None:
@@ -134,63 +69,6 @@ def _reuse_freed_memory() -> None:
     libc = ctypes.CDLL(None)
     if hasattr(libc, "mallopt"):
         libc.mallopt(M_MMAP_THRESHOLD, 2**31 - 1)
-
-
-def _pack_experts(tensor: torch.Tensor, packed: torch.Tensor, isa: str) -> None:
-    """`packed` ← vLLM's CPU-kernel packing of the expert tensor `tensor` (w13 [E, 2I, H] or w2 [E, H, I]), written
-    in place. Where vLLM pads I to its kernel's alignment, `tensor` is zero-padded as vLLM pads it: each of w13's
-    gate and up halves, w2's columns (a padded copy per call; none otherwise)."""
-    pad = torch.nn.functional.pad
-    if tensor.shape[2] < packed.shape[2]:
-        tensor = pad(tensor, (0, packed.shape[2] - tensor.shape[2]))
-    elif tensor.shape[1] < packed.shape[1]:
-        tensor = pad(tensor.unflatten(1, (2, -1)), (0, 0, 0, (packed.shape[1] - tensor.shape[1]) // 2)).flatten(1, 2)
-    torch.ops._C.prepack_moe_weight(tensor, packed, isa)
-
-
-def shard_region(layer, shape, held_shape) -> Region | None:
-    """The region of a transformers weight of `shape` that vLLM's `layer` (a linear layer or an embedding) holds as
-    a part of shape `held_shape` (a fused layer's part: q of qkv_proj), None for all of it: vLLM's tensor-parallel
-    split, from the layer's rank. A vocabulary shard's rows; a column-parallel layer's rows (a key/value head on
-    several ranks where there are fewer heads than ranks); a row-parallel layer's columns."""
-    rank, size = getattr(layer, "tp_rank", 0), getattr(layer, "tp_size", 1)
-    ranges = [None] * len(shape)
-    if hasattr(layer, "shard_indices"):  # VocabParallelEmbedding, ParallelLMHead
-        ranges[0] = ((layer.shard_indices.org_vocab_start_index, layer.shard_indices.org_vocab_end_index),)
-    elif size > 1 and len(shape) <= 2:
-        rows = held_shape[0]
-        start = rank * shape[0] // (size * rows) * rows
-        ranges[0] = ((start, start + rows),)
-        if len(shape) == 2 and held_shape[1] < shape[1]:  # row-parallel: the input columns split
-            ranges[1] = ((rank * held_shape[1], (rank + 1) * held_shape[1]),)
-    ranges = [None if r == ((0, n),) else r for r, n in zip(ranges, shape, strict=True)]
-    return Region(tuple(shape), tuple(ranges)) if any(ranges) else None
-
-
-def _factor_rows(factor: torch.Tensor, ranges) -> torch.Tensor:
-    """The rows `ranges` of a low-rank factor ((start, stop) pairs of a `Region`; None: all of them)."""
-    return factor if ranges is None else Region(tuple(factor.shape), (ranges, None)).cut(factor)
-
-
-def expert_region(leaf: str, shape, experts_held: int) -> Region | None | bool:
-    """The region of a fused expert tensor (`EXPERT_TENSORS`) of `shape` that this tensor-parallel rank's MoE layer
-    holds (None: all of it): each expert's intermediate dim split as vLLM splits it (gate_up_proj [E, 2I, H]: the
-    rank's gate rows then its up rows; down_proj [E, H, I]: its columns). False where the experts themselves are
-    split over ranks (`experts_held` < E: expert parallelism), which members are not written into."""
-    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-    rank, size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-    if experts_held != shape[0]:
-        return False
-    if size == 1:
-        return None
-    if leaf == "gate_up_proj":
-        half = shape[1] // 2
-        part = half // size
-        rows = ((rank * part, (rank + 1) * part), (half + rank * part, half + (rank + 1) * part))
-        return Region(tuple(shape), (None, rows, None))
-    part = shape[2] // size
-    return Region(tuple(shape), (None, None, ((rank * part, (rank + 1) * part),)))
 
 
 class ESWorkerExtension:
@@ -549,7 +427,7 @@ class ESWorkerExtension:
         for a_name, b_name, scaling, a_stacked, b_stacked, region in self._es_pairs:
             a, b = params[a_name], params[b_name] * scaling
             if region is not None:  # this rank's rows of B (column-parallel), columns of A (row-parallel)
-                a, b = _factor_rows(a.T, region.ranges[1]).T, _factor_rows(b, region.ranges[0])
+                a, b = factor_rows(a.T, region.ranges[1]).T, factor_rows(b, region.ranges[0])
             a_stacked[slot].zero_()
             b_stacked[slot].zero_()
             a_stacked[slot, 0, : len(a)].copy_(a)
@@ -591,7 +469,7 @@ class ESWorkerExtension:
                     continue
                 a, b = lowrank_factors(seed, name, shape, rank, device=a_stacked.device)
                 if region is not None:  # A's rows of the shard's rows (column-parallel), B's of its columns (row-)
-                    a, b = _factor_rows(a, region.ranges[0]), _factor_rows(b, region.ranges[1])
+                    a, b = factor_rows(a, region.ranges[0]), factor_rows(b, region.ranges[1])
                 a_stacked[slot, 0, :rank].copy_(b.T)
                 b_stacked[slot, 0, :, :rank].copy_(a * (scale / math.sqrt(rank)))
         return {"members": len(args["members"])}
@@ -626,14 +504,14 @@ class ESWorkerExtension:
             for module in {id(m): m for name in names for m in self._es_packed[name]}.values():
                 dispatch_cpu_unquantized_gemm(module, remove_weight=False)
             for name in names & self._es_packed_experts.keys():
-                _pack_experts(working[name], *self._es_packed_experts[name])
+                pack_experts(working[name], *self._es_packed_experts[name])
             return
         # on CPU a whole reload, without the packed experts: vLLM's reload would write them unpacked (and fails on
         # padded ones), the worker packs them itself
         loaded = [name for name in working if name not in self._es_packed_experts] if self._es_repacked else names
         self._es_load([(name, working[name]) for name in loaded])
         for name in names & self._es_packed_experts.keys():
-            _pack_experts(working[name], *self._es_packed_experts[name])
+            pack_experts(working[name], *self._es_packed_experts[name])
 
     @torch.no_grad()
     def _es_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
