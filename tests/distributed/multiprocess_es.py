@@ -155,7 +155,7 @@ def tensor_parallel_members(model_dir: str, out_dir: str, tp: int = 2) -> dict:
     weights, rank = trainer.weights, trainer.accelerator.process_index
     weights.start()
     weights.capture()
-    worker = trainer.generation.engine.llm.llm_engine.model_executor.driver_worker.worker._es_weights
+    worker = trainer.generation.engine.llm.llm_engine.model_executor.driver_worker.worker._es.weights
     result = {"sharded": sorted(worker.regions), "members_equal": [], "in_place": weights.members_in_place}
     for seed in (5, 77):
         weights.member(seed, 0.02)

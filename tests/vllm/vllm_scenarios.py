@@ -75,7 +75,7 @@ def extension(trainer):
 
 def adapters_zero(trainer) -> bool:
     """Whether every low-rank adapter slot inside vLLM holds zeros."""
-    return all(not a.any() and not b.any() for a, b, _ in extension(trainer)._es_adapters.values())
+    return all(not a.any() and not b.any() for a, b, _ in extension(trainer)._es.lowrank.values())
 
 
 def failing_run(out, model_dir, fail_at: int, results: dict, **overrides):
@@ -281,11 +281,11 @@ def lowrank(out: Path) -> dict:
         for name, module in list(space.targets.items())[:3]:
             hooks = LowRankPopulation({name: module}, [m[0] for m in members], [m[1] for m in members], sigma, 2)
             b_all, a_all = hooks.concatenated_factors(name, module.weight)
-            a, b, _ = inside_vllm._es_adapters[name]
+            a, b, _ = inside_vllm._es.lowrank[name]
             for k in range(len(members)):
                 reference = module.weight.float() + (b_all[:, 2 * k : 2 * k + 2] @ a_all[2 * k : 2 * k + 2]).T
-                slot = inside_vllm._es_slots[k]
-                inside = inside_vllm._es_weights.params[name].float() + b[slot, 0].float() @ a[slot, 0].float()
+                slot = inside_vllm._es.slots[k]
+                inside = inside_vllm._es.weights.params[name].float() + b[slot, 0].float() @ a[slot, 0].float()
                 scale = float((reference - module.weight).abs().max())
                 results["member_weight_errors"].append(float((inside - reference).abs().max()) / scale)
     results["adapters_zero_after"] = adapters_zero(vl)
@@ -345,14 +345,14 @@ def adapters(out: Path) -> dict:
     with vl.weights.members([(seed, 0.02, None)]):
         local.member(seed, 0.02)
         inside = extension(vl)
-        a_name, b_name, scaling, a_stacked, b_stacked, _ = inside._es_pairs[0]
-        rank, slot = vl.es_params[a_name].shape[0], inside._es_slots[1]
+        a_name, b_name, scaling, a_stacked, b_stacked, _ = inside._es.pairs[0]
+        rank, slot = vl.es_params[a_name].shape[0], inside._es.slots[1]
         results["member_slot_equal"] = torch.equal(a_stacked[slot, 0, :rank], vl.es_params[a_name].detach()) and (
             torch.equal(b_stacked[slot, 0, :, :rank], vl.es_params[b_name].detach() * scaling)
         )
         local.restore()
     results["theta_slot_equal"] = torch.equal(
-        inside._es_pairs[0][3][inside._es_slots[0], 0, :rank], vl.es_params[a_name].detach()
+        inside._es.pairs[0][3][inside._es.slots[0], 0, :rank], vl.es_params[a_name].detach()
     )
 
     # CoPES groups and parameter patterns within the adapter (lora_B alone), on a base changed in memory (layer 0's

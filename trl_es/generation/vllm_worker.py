@@ -46,15 +46,16 @@ from __future__ import annotations
 
 import ctypes
 import glob
-import math
 import os
 
 import torch
 
-from ..es.lowrank import apply_lowrank_update, lowrank_factors
+from ..es.lowrank import apply_lowrank_update
 from ..es.weights import LocalWeights, weights_hash
 from .vllm_payload import parse_payload
-from .vllm_shards import EXPERT_TENSORS, MOE_KERNELS, expert_region, factor_rows, pack_experts, shard_region
+from .vllm_shards import EXPERT_TENSORS, MOE_KERNELS, expert_region, pack_experts, shard_region
+from .vllm_worker_lora import LoRASlots
+from .vllm_worker_state import AdapterState, FullState
 
 
 M_MMAP_THRESHOLD = -3
@@ -71,9 +72,12 @@ def _reuse_freed_memory() -> None:
         libc.mallopt(M_MMAP_THRESHOLD, 2**31 - 1)
 
 
-class ESWorkerExtension:
+class ESWorkerExtension(LoRASlots):
     """Methods that vLLM's worker gains, each taking its arguments as one JSON string (what vLLM's HTTP
-    `/collective_rpc` passes). `es_init` first; then `es_perturb`, `es_restore`, `es_update`."""
+    `/collective_rpc` passes). `es_init` (or `es_adapter_init`) first, which sets the run's state (`_es`: a
+    `FullState` or an `AdapterState`); then `es_perturb`, `es_restore`, `es_update`."""
+
+    _es: FullState | AdapterState
 
     def es_extension(self, payload: str) -> dict:
         """{"extension": "trl-es"}: this vLLM runs the ES worker extension (a server started by `trl-es vllm-serve`)."""
@@ -91,20 +95,10 @@ class ESWorkerExtension:
             raise ValueError("es_init needs the names of the parameters ES perturbs")
         model = self.model_runner.model
         device = next(model.parameters()).device
-        self._es_repacked = device.type == "cpu"
-        if weights is None and args.get("path"):
-            from safetensors.torch import load_file
-
-            files = sorted(glob.glob(os.path.join(args["path"], "*.safetensors")))
-            if not files:
-                return {"error": f"no *.safetensors weights in {args['path']}"}
-            weights = [item for file in files for item in load_file(file).items()]
-        elif weights is None:
-            from vllm.model_executor.model_loader import get_model_loader
-
-            loader = get_model_loader(self.vllm_config.load_config)
-            weights = loader.get_all_weights(self.vllm_config.model_config, model)
-        weights, dtype = list(weights), getattr(torch, args["dtype"])
+        weights = self._es_theta(weights, args.get("path"))
+        if isinstance(weights, str):
+            return {"error": weights}
+        dtype = getattr(torch, args["dtype"])
         names, engine_dtype = set(args["names"]), self.vllm_config.model_config.dtype
         missing = sorted(names - {name for name, _ in weights})
         if missing:
@@ -116,32 +110,48 @@ class ESWorkerExtension:
             master = {name: tensor.detach().to("cpu", dtype, copy=True) for name, tensor in weights if name in names}
         # The working tensors live where vLLM's weights do, in its dtype.
         working = {name: tensor.detach().to(device, engine_dtype, copy=True).contiguous() for name, tensor in weights}
-        error = self._es_find_experts(model, set(working))
+        table = (args["seed"], args["noise_table_size"])
+        state = FullState(LocalWeights(working, *table, storage_device="cpu", master=master), list(args["names"]),
+                          repacked=device.type == "cpu")  # fmt: skip
+        error = self._es_find_experts(model, set(working), state)
         if error:
             return {"error": error}
-        self._es_names = list(args["names"])
-        self._es_packed = {}  # CPU: name -> the layers whose packed handles multiply by that weight
-        if self._es_repacked:
+        if state.repacked:
             self._es_keep_cpu_weights(model)
-        table = (args["seed"], args["noise_table_size"])
-        self._es_weights = LocalWeights(working, *table, storage_device="cpu", master=master)
-        self._es_views = False
+        self._es = state
         self._es_push(set(working))  # vLLM may hold other weights (an earlier run's, on a server)
         found, regions = self._es_find_views(model, working), {}
         if found:
             views, regions = found
             if master is not None:  # each rank's float32 θ is the region its tensors hold
                 master = {name: regions[name].cut(t).clone() if name in regions else t for name, t in master.items()}
-            self._es_weights = LocalWeights(views, *table, storage_device="cpu", master=master, regions=regions)
-            self._es_views = True
-            if self._es_repacked:
+            state.weights = LocalWeights(views, *table, storage_device="cpu", master=master, regions=regions)
+            state.in_place = True
+            if state.repacked:
                 _reuse_freed_memory()
-        self._es_weights.capture()
+        state.weights.capture()
         return {
             "fingerprint": self._es_fingerprint_theta(),
-            "in_place": self._es_views,
+            "in_place": state.in_place,
             "regions": {name: region.to_json() for name, region in regions.items()},
         }
+
+    def _es_theta(self, weights: list[tuple[str, torch.Tensor]] | None, path: str | None) -> list | str:
+        """θ by name: `weights` (the trainer's tensors), else the safetensors files in `path` (a checkpoint), else
+        the served model's files through vLLM's loader; or an error."""
+        if weights is None and path:
+            from safetensors.torch import load_file
+
+            files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+            if not files:
+                return f"no *.safetensors weights in {path}"
+            weights = [item for file in files for item in load_file(file).items()]
+        elif weights is None:
+            from vllm.model_executor.model_loader import get_model_loader
+
+            loader = get_model_loader(self.vllm_config.load_config)
+            weights = loader.get_all_weights(self.vllm_config.model_config, self.model_runner.model)
+        return list(weights)
 
     @staticmethod
     def _es_keep_cpu_weights(model) -> None:
@@ -157,12 +167,12 @@ class ESWorkerExtension:
                 weight.data = torch.empty(shape, dtype=weight.dtype, device=weight.device)
             module._cpu_skip_gemm_dispatch = True
 
-    def _es_find_experts(self, model, names: set[str]) -> str | None:
-        """Record vLLM's fused-MoE layers by the transformers name of their experts module (`self._es_moe`), and
-        which of the transformers tensors `names` vLLM's CPU kernel multiplies by a packed copy of
-        (`self._es_packed_experts`: name -> (the packed parameter, the ISA it is packed for)); or say why members
-        could not be written into the experts (`MOE_KERNELS`)."""
-        self._es_moe, self._es_packed_experts = {}, {}
+    @staticmethod
+    def _es_find_experts(model, names: set[str], state: FullState) -> str | None:
+        """Record vLLM's fused-MoE layers by the transformers name of their experts module (`state.moe`), and which
+        of the transformers tensors `names` vLLM's CPU kernel multiplies by a packed copy of (`state.packed_experts`:
+        name -> (the packed parameter, the ISA it is packed for)); or say why members could not be written into the
+        experts (`MOE_KERNELS`)."""
         for name, layer in model.named_modules():
             if not isinstance(getattr(layer, "w13_weight", None), torch.Tensor):
                 continue
@@ -175,12 +185,12 @@ class ESWorkerExtension:
                     "the experts of vLLM's Triton (GPU) and CPU kernels only"
                 )
             module = name.removesuffix(".routed_experts")
-            self._es_moe[module] = layer
+            state.moe[module] = layer
             kernel = method.moe_kernel.fused_experts
             isa = None if getattr(kernel, "_use_zentorch", False) else getattr(kernel, "isa", None)
             for leaf, param in EXPERT_TENSORS.items():
                 if isa and f"{module}.{leaf}" in names:
-                    self._es_packed_experts[f"{module}.{leaf}"] = (getattr(layer, param).data, isa)
+                    state.packed_experts[f"{module}.{leaf}"] = (getattr(layer, param).data, isa)
         return None
 
     def _es_find_views(self, model, working: dict[str, torch.Tensor]) -> tuple[dict, dict] | None:
@@ -196,20 +206,21 @@ class ESWorkerExtension:
             for part in parts
             if whole != part
         }
-        packing = [m for m in model.modules() if hasattr(m, "cpu_linear")] if self._es_repacked else []
+        state = self._es
+        packing = [m for m in model.modules() if hasattr(m, "cpu_linear")] if state.repacked else []
         views, regions = {}, {}
-        for name in self._es_names:
+        for name in state.names:
             tensor = working[name]
             module, _, leaf = name.rpartition(".")
             prefix, _, part = module.rpartition(".")
-            if module in self._es_moe and leaf in EXPERT_TENSORS:  # a fused expert tensor: the layer's w13/w2
-                experts = getattr(self._es_moe[module], EXPERT_TENSORS[leaf])
+            if module in state.moe and leaf in EXPERT_TENSORS:  # a fused expert tensor: the layer's w13/w2
+                experts = getattr(state.moe[module], EXPERT_TENSORS[leaf])
                 region = expert_region(leaf, tensor.shape, len(experts))
                 if region is False:
                     return None
                 held = tensor if region is None else region.cut(tensor)
-                if name in self._es_packed_experts:  # the worker's own tensor, packed into vLLM's at each write
-                    views[name], self._es_packed[name] = held.clone(), []
+                if name in state.packed_experts:  # the worker's own tensor, packed into vLLM's at each write
+                    views[name], state.packed[name] = held.clone(), []
                     regions.update({name: region} if region else {})
                     continue
                 param, rows = None, experts.data
@@ -237,9 +248,7 @@ class ESWorkerExtension:
                 return None
             views[name] = rows
             regions.update({name: region} if region else {})
-            self._es_packed[name] = [
-                m for m in packing if param is not None and m.weight.data_ptr() == param.data_ptr()
-            ]
+            state.packed[name] = [m for m in packing if param is not None and m.weight.data_ptr() == param.data_ptr()]
         return views, regions
 
     def es_perturb(self, payload: str) -> dict:
@@ -247,13 +256,13 @@ class ESWorkerExtension:
         tensors changed} (a few bytes back per member: the trainer knows which)."""
         args = parse_payload(payload, "seed", "scale")
         names = self._es_known(args.get("names"))
-        written = self._es_weights.member(args["seed"], args["scale"], names)
+        written = self._es.weights.member(args["seed"], args["scale"], names)
         self._es_push(written)
         return {"written": len(written)}
 
     def es_restore(self, payload: str) -> dict:
         """vLLM's weights ← θ; {"written": how many tensors changed}."""
-        written = self._es_weights.center()
+        written = self._es.weights.center()
         if written:
             self._es_push(written)
         return {"written": len(written)}
@@ -264,7 +273,7 @@ class ESWorkerExtension:
         Returns {"update_norm": ‖Δθ‖₂} for the trainer to check against its own update."""
         args = parse_payload(payload, "coefficients")
         names = self._es_known(args.get("names"))
-        weights = self._es_weights
+        weights = self._es.weights
         written = weights.center() | set(names)
         coefficients = {int(seed): float(c) for seed, c in args["coefficients"]}
         if "rank" in args:  # the low-rank update W ← W + Σ_s c_s·A_s·B_sᵀ/√r, written into θ's tensors in place
@@ -294,7 +303,7 @@ class ESWorkerExtension:
             return update(names)
         copies = {}
         for name in names:
-            held, region = self._es_weights.params[name].numel(), self._es_weights.regions.get(name)
+            held, region = self._es.weights.params[name].numel(), self._es.weights.regions.get(name)
             copies.setdefault(size * held // (region.numel if region else held), []).append(name)
         squared = torch.tensor([sum(update(part) ** 2 / c for c, part in copies.items())], dtype=torch.float64)
         torch.distributed.all_reduce(squared, group=get_tp_group().cpu_group)
@@ -303,7 +312,7 @@ class ESWorkerExtension:
     def _es_lowrank_update(self, names: list[str], coefficients: dict[int, float], rank: int) -> float:
         """`apply_lowrank_update` on θ: vLLM's tensors themselves, or with a float32 master the master (each weight
         updated on vLLM's device, as the trainer updates it, then cast into vLLM's tensor)."""
-        weights = self._es_weights
+        weights = self._es.weights
         regions = weights.regions
         if weights.master is None:
             return apply_lowrank_update({n: weights.params[n] for n in names}, coefficients, rank, regions)
@@ -317,176 +326,23 @@ class ESWorkerExtension:
 
     def _es_fingerprint_theta(self) -> str:
         """`weights_hash` of θ over the ES names: the float32 master when there is one, else vLLM's tensors."""
-        weights = self._es_weights
+        weights = self._es.weights
         held = weights.master if weights.master is not None else weights.params
-        return weights_hash({name: held[name] for name in self._es_names})
-
-    def _es_register_slots(self, slots: int, rank: int) -> list[int] | str:
-        """Register `slots` pinned zero LoRA adapters of rank `rank` (module docstring); their LoRA ids in slot
-        order (`self._es_slots`: their slot indices), or an error."""
-        from vllm.lora.request import LoRARequest
-
-        manager = getattr(self.model_runner, "lora_manager", None)
-        if manager is None:
-            return "this vLLM engine runs without LoRA (enable_lora)"
-        adapters = manager._adapter_manager
-        if slots > adapters.lora_slots:
-            return f"{slots} members per call, and the engine has {adapters.lora_slots} LoRA slots"
-        ids = list(range(1, slots + 1))
-        for lora_id in ids:
-            manager.add_dummy_lora(LoRARequest(f"es-member-{lora_id}", lora_id, "es-member"), rank)
-            manager.pin_adapter(lora_id)
-            adapters.activate_adapter(lora_id)
-        self._es_slots = [adapters.lora_index_to_id.index(lora_id) for lora_id in ids]
-        return ids
-
-    def _es_lora_slices(self, module_name: str, shape: tuple[int, int], rank: int):
-        """vLLM's stacked LoRA tensors (A: (slots, 1, rank, in), B: (slots, 1, out, rank)) of the HF linear
-        `module_name` of weight shape `shape` (a fused layer's slice: q_proj of qkv_proj) and, under tensor
-        parallelism, the region of the weight they adapt on this rank (`shard_region`: B's rows of a column-parallel
-        layer's, A's columns of a row-parallel one's); or an error."""
-        adapters = self.model_runner.lora_manager._adapter_manager
-        fused = {
-            part: (whole, i)
-            for whole, parts in adapters.packed_modules_mapping.items()
-            for i, part in enumerate(parts)
-        }
-        prefix, _, part = module_name.rpartition(".")
-        whole, index = fused.get(part, (part, 0))
-        layer = adapters.modules.get(f"{prefix}.{whole}")
-        if layer is None or not hasattr(layer, "lora_a_stacked") or index >= len(layer.lora_a_stacked):
-            return f"vLLM has no LoRA layer for {module_name!r}"
-        a, b = layer.lora_a_stacked[index], layer.lora_b_stacked[index]
-        held = (b.shape[2], a.shape[3])
-        region = shard_region(getattr(layer, "base_layer", layer), shape, held)
-        if (region.held_shape if region else shape) != held or a.shape[2] < rank:
-            return f"vLLM's LoRA layer for {module_name!r} is {held}, the weight {shape}"
-        return a, b, region
-
-    def es_lowrank_init(self, payload: str) -> dict:
-        """Register `slots` pinned zero adapters of rank `rank` and find, for each of `names` (the trainer's
-        nn.Linear weights), the adapter tensors of its layer: {"adapter_ids"} (LoRA ids, slot order), or {"error"}
-        when the engine has no LoRA or a name has no adapter slice of its shape."""
-        args = parse_payload(payload, "slots", "rank", "names")
-        ids = self._es_register_slots(args["slots"], args["rank"])
-        if isinstance(ids, str):
-            return {"error": ids}
-        self._es_adapters, self._es_rank = {}, args["rank"]
-        for name in args["names"]:
-            region = self._es_weights.regions.get(name)
-            shape = region.shape if region else tuple(self._es_weights.params[name].shape)
-            found = self._es_lora_slices(name.rpartition(".")[0], shape, args["rank"])
-            if isinstance(found, str):
-                return {"error": found}
-            self._es_adapters[name] = found
-        return {"adapter_ids": ids}
-
-    def es_adapter_init(
-        self, payload: str, adapter: list[tuple[str, torch.Tensor]], base: list[tuple[str, torch.Tensor]] | None = None
-    ) -> dict:
-        """Adapter mode (ES trains a LoRA adapter): load the base's weights `base` (the trainer's, by the base model's
-        names; None: the base stays as vLLM loaded it from its files), take the adapter's θ (`adapter`, the
-        trainer's tensors by name), register `slots` pinned adapters of rank `rank` and find each LoRA pair's
-        stacked tensors. `modules`: [[HF linear module, A's name, B's name, scaling], ...]. Slot 0 holds θ (what
-        generation outside a members call goes through: `es_adapter_members`). {"fingerprint" of θ, "adapter_ids"}
-        or {"error"}."""
-        args = parse_payload(payload, "seed", "noise_table_size", "names", "slots", "rank", "modules")
-        tensors = dict(adapter)
-        missing = sorted(set(args["names"]) - set(tensors))
-        if missing:
-            return {"error": f"the adapter has no weights named {missing[:3]}"}
-        model = self.model_runner.model
-        device = next(model.parameters()).device
-        self._es_repacked = device.type == "cpu"
-        if base is not None:  # before the slots: vLLM drops every adapter when it reloads weights
-            if self._es_repacked:
-                self._es_keep_cpu_weights(model)
-            self._es_load(base)
-        working = {name: tensor.detach().to(device, copy=True).contiguous() for name, tensor in tensors.items()}
-        ids = self._es_register_slots(args["slots"] + 1, args["rank"])
-        if isinstance(ids, str):
-            return {"error": ids}
-        self._es_pairs = []  # (A's name, B's name, scaling, A's stacked, B's stacked, this rank's region)
-        for module, a_name, b_name, scaling in args["modules"]:
-            rank, fan_in = working[a_name].shape
-            found = self._es_lora_slices(module, (working[b_name].shape[0], fan_in), rank)
-            if isinstance(found, str):
-                return {"error": found}
-            self._es_pairs.append((a_name, b_name, scaling, *found))
-        self._es_names, self._es_views, self._es_adapter_mode = list(args["names"]), False, True
-        self._es_weights = LocalWeights(working, args["seed"], args["noise_table_size"], storage_device="cpu")
-        self._es_weights.capture()  # the adapter's weights outside `names` (es_parameter_patterns) stay as they are
-        self._es_write_adapter(self._es_slots[0])
-        return {"fingerprint": self._es_fingerprint_theta(), "adapter_ids": ids}
-
-    @torch.no_grad()
-    def _es_write_adapter(self, slot: int) -> None:
-        """LoRA slot `slot` ← the adapter the worker's tensors hold now: A, and B times its scaling (vLLM folds the
-        scaling into B as it does when it loads an adapter), cast to vLLM's dtype; ranks beyond the adapter's zero."""
-        params = self._es_weights.params
-        for a_name, b_name, scaling, a_stacked, b_stacked, region in self._es_pairs:
-            a, b = params[a_name], params[b_name] * scaling
-            if region is not None:  # this rank's rows of B (column-parallel), columns of A (row-parallel)
-                a, b = factor_rows(a.T, region.ranges[1]).T, factor_rows(b, region.ranges[0])
-            a_stacked[slot].zero_()
-            b_stacked[slot].zero_()
-            a_stacked[slot, 0, : len(a)].copy_(a)
-            b_stacked[slot, 0, :, : len(a)].copy_(b)
-
-    def es_adapter_members(self, payload: str) -> dict:
-        """Adapter mode: slot k+1 ← member k of `members` ([[seed, scale], ...]: θ + scale·ε over `member_names[k]`,
-        default every adapter weight; scale 0: θ, the centre), slot 0 ← θ. The worker's tensors hold θ again after."""
-        args = parse_payload(payload, "members")
-        members, names = args["members"], args.get("member_names") or [None] * len(args["members"])
-        if len(members) >= len(self._es_slots) or len(names) != len(members):
-            raise ValueError(f"{len(members)} members for {len(self._es_slots) - 1} adapter slots")
-        weights = self._es_weights
-        for k, ((seed, scale), member_names) in enumerate(zip(members, names, strict=True)):
-            if scale == 0:
-                weights.center()
-            else:
-                weights.member(seed, scale, self._es_known(member_names))
-            self._es_write_adapter(self._es_slots[k + 1])
-        weights.center()
-        self._es_write_adapter(self._es_slots[0])
-        return {"members": len(members)}
-
-    @torch.no_grad()
-    def es_lowrank_members(self, payload: str) -> dict:
-        """Write member k of `members` ([[seed, scale], ...], scale = σ·sign; 0 writes zeros: the centre) into adapter
-        slot k for every low-rank name; the slots after the last member are zeroed (no members: all of them)."""
-        args = parse_payload(payload, "members")
-        if len(args["members"]) > len(self._es_slots):
-            raise ValueError(f"{len(args['members'])} members for {len(self._es_slots)} adapter slots")
-        rank = self._es_rank
-        for name, (a_stacked, b_stacked, region) in self._es_adapters.items():
-            shape = region.shape if region else tuple(self._es_weights.params[name].shape)
-            for k, slot in enumerate(self._es_slots):
-                seed, scale = args["members"][k] if k < len(args["members"]) else (0, 0.0)
-                if scale == 0:
-                    a_stacked[slot].zero_()
-                    b_stacked[slot].zero_()
-                    continue
-                a, b = lowrank_factors(seed, name, shape, rank, device=a_stacked.device)
-                if region is not None:  # A's rows of the shard's rows (column-parallel), B's of its columns (row-)
-                    a, b = factor_rows(a, region.ranges[0]), factor_rows(b, region.ranges[1])
-                a_stacked[slot, 0, :rank].copy_(b.T)
-                b_stacked[slot, 0, :, :rank].copy_(a * (scale / math.sqrt(rank)))
-        return {"members": len(args["members"])}
+        return weights_hash({name: held[name] for name in self._es.names})
 
     def _es_known(self, names: list[str] | None) -> list[str]:
         """`names` (default: every ES name), each one of the ES names `es_init` took."""
-        unknown = sorted(set(names or ()) - set(self._es_names))
+        unknown = sorted(set(names or ()) - set(self._es.names))
         if unknown:
             raise ValueError(f"the ES worker holds no parameters named {unknown[:3]}")
-        return names or self._es_names
+        return names or self._es.names
 
     def es_fingerprint(self, payload: str) -> dict:
         """{"fingerprint"} over the ES names of the weights vLLM holds now (θ, or the member's); with a float32
         master, of θ (the master)."""
-        if self._es_weights.master is not None:
+        if self._es.weights.master is not None:
             return {"fingerprint": self._es_fingerprint_theta()}
-        return {"fingerprint": weights_hash({name: self._es_weights.params[name] for name in self._es_names})}
+        return {"fingerprint": weights_hash({name: self._es.weights.params[name] for name in self._es.names})}
 
     @torch.no_grad()
     def _es_push(self, names: set[str]) -> None:
@@ -496,31 +352,32 @@ class ESWorkerExtension:
         slot 0, through which generation goes outside a members call."""
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-        if getattr(self, "_es_adapter_mode", False):  # the evaluated adapter is LoRA slot 0
-            self._es_write_adapter(self._es_slots[0])
+        state = self._es
+        if isinstance(state, AdapterState):  # the evaluated adapter is LoRA slot 0
+            self._es_write_adapter(state.slots[0])
             return
-        working = self._es_weights.params
-        if self._es_views:
-            for module in {id(m): m for name in names for m in self._es_packed[name]}.values():
+        working = state.weights.params
+        if state.in_place:
+            for module in {id(m): m for name in names for m in state.packed[name]}.values():
                 dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-            for name in names & self._es_packed_experts.keys():
-                pack_experts(working[name], *self._es_packed_experts[name])
+            for name in names & state.packed_experts.keys():
+                pack_experts(working[name], *state.packed_experts[name])
             return
         # on CPU a whole reload, without the packed experts: vLLM's reload would write them unpacked (and fails on
         # padded ones), the worker packs them itself
-        loaded = [name for name in working if name not in self._es_packed_experts] if self._es_repacked else names
-        self._es_load([(name, working[name]) for name in loaded])
-        for name in names & self._es_packed_experts.keys():
-            pack_experts(working[name], *self._es_packed_experts[name])
+        loaded = [name for name in working if name not in state.packed_experts] if state.repacked else names
+        self._es_load([(name, working[name]) for name in loaded], state.repacked)
+        for name in names & state.packed_experts.keys():
+            pack_experts(working[name], *state.packed_experts[name])
 
     @torch.no_grad()
-    def _es_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy `weights` (HF names) into vLLM's: `load_weights` on GPU; on CPU a reload (into the linear layers' kept
-        `.weight`, `_es_keep_cpu_weights`), then every linear layer re-packed."""
+    def _es_load(self, weights: list[tuple[str, torch.Tensor]], repacked: bool) -> None:
+        """Copy `weights` (HF names) into vLLM's: `load_weights` on GPU; on CPU (`repacked`) a reload (into the linear
+        layers' kept `.weight`, `_es_keep_cpu_weights`), then every linear layer re-packed."""
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
         model = self.model_runner.model
-        if not self._es_repacked:
+        if not repacked:
             model.load_weights(weights)
             return
         self.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
