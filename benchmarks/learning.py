@@ -106,22 +106,20 @@ SETTINGS |= {
 `-cosine` anneals α from 2e-2 to 0 over the 121 updates the constant-α winner reached in 48 minutes (a shorter
 budget stops it earlier on the schedule), `-half-alpha` keeps α constant at 1e-2. Run them without `--sigma`/`--alpha`,
 which would override both."""
-WINNER = SETTINGS["lowrank-vllm-n32-half-alpha"]
-SETTINGS |= {
-    "prompt-norm": {**WINNER, "scale_rewards": "group"},
-    "pass1-sampled": {**WINNER, "generation_kwargs": {"do_sample": True}, "temperature": 0.6,
-                      "per_device_train_batch_size": 4, "num_generations": 4, "fitness_pass_k": 1},
-    "pass4-sampled": {**WINNER, "generation_kwargs": {"do_sample": True}, "temperature": 0.6,
-                      "per_device_train_batch_size": 4, "num_generations": 4, "fitness_pass_k": 4},
-    "top8": {**WINNER, "fitness_top_k": 8, "learning_rate": 1.6e-2},
-    "noise-reuse4": {**WINNER, "noise_reuse": 4},
-}  # fmt: skip
-"""The ES variants (issue: ES that learns like the best of its field), each one change to today's winner
-(`lowrank-vllm-n32-half-alpha`: low-rank members in one vLLM call, N = 32, σ = α = 1e-2): `prompt-norm` z-scores each
-prompt's rewards across the members (`scale_rewards="group"`); `pass1-sampled` / `pass4-sampled` let members sample
-4 completions of 4 prompts at T = 0.6 (GRPO's 16 completions per step) with Pass@1 / Pass@4 fitness; `top8` moves θ
-with the best 8 of 32 members only, α × 1.6 keeping the step's norm (the top quarter's z-scores average about 1.27,
-so (1/32)·1.27·√8 against (1/32)·√32); `noise-reuse4` keeps each step's noise directions for 4 steps."""
+def variants() -> dict[str, dict]:
+    """`trl-es study`'s ES variants (`trl_es.commands.study.ES_VARIANTS`), each over today's winner
+    (`lowrank-vllm-n32-half-alpha`: low-rank members in one vLLM call, N = 32, σ = α = 1e-2)."""
+    from trl_es.commands.study import ES_VARIANTS
+
+    winner, found = SETTINGS["lowrank-vllm-n32-half-alpha"], {}
+    for name, variant in ES_VARIANTS.items():
+        settings = {key: value for key, value in variant.items() if key != "do_sample"}
+        sampling = {"generation_kwargs": {"do_sample": True}} if variant.get("do_sample") else {}
+        found[name] = {**winner, **settings, **sampling}
+    return found
+
+
+SETTINGS |= variants()
 SEQUENCES = {"grpo-es": ("grpo", "es"), "es-grpo": ("es", "grpo")}
 """Two methods in sequence, each for half the budget (the research's GRPO → ES and ES → GRPO)."""
 

@@ -216,6 +216,15 @@ def test_each_method_trains_with_the_search_space_and_engine_asked(tmp_path, mon
     assert "es_search_space" not in in_place and in_place["population_size"] == 8 and in_place["sigma"] == 1e-2
     with pytest.raises(SystemExit):
         study(["--es-space", "merge"])
+    # --es-variant: its fields over the engine's settings, the command's own after them; a sampling one samples
+    top = ESConfig(output_dir=str(tmp_path / "top"), **study_module.trainer_settings("es", study(
+        ["--es-vllm", "--es-variant", "top8", "--es-population", "16"])))  # fmt: skip
+    assert (top.fitness_top_k, top.learning_rate, top.population_size) == (8, 1.6e-2, 16)
+    sampled = study(["--es-vllm", "--es-variant", "pass4-sampled"])
+    settings = study_module.stage_settings("es", sampled)
+    assert settings["do_sample"] and (settings["fitness_pass_k"], settings["num_generations"]) == (4, 4)
+    with pytest.raises(SystemExit):
+        study(["--es-variant", "bogus"])
 
 
 def test_bad_engine_and_population_settings_are_refused_before_training(tmp_path, tiny_model_dir, monkeypatch):

@@ -6,7 +6,8 @@ Each method trains from the same model on the same prompts in the same order (no
 and the same completion length, until the budget of wall clock has passed (the step running then finishes):
 `grpo` is TRL's GRPOTrainer (4 prompts × 4 completions per step, lr 1e-5), `es` is ESTrainer with the demo's
 calibrated settings (N=8, σ=5e-3, α=5e-3, 8 prompts per step, greedy members, or sampling ones with --es-sample;
-`--es-population`, `--es-sigma`, `--es-learning-rate` and `--es-space lowrank` change them; `--es-anchor-decay λ`
+`--es-population`, `--es-sigma`, `--es-learning-rate` and `--es-space lowrank` change them, `--es-variant` applies one
+of `ES_VARIANTS` (per-prompt normalisation, Pass@k fitness, top-K members, noise reuse); `--es-anchor-decay λ`
 pulls it toward the base after each update). Both train on transformers unless `--es-vllm` (ES's population
 through an in-process vLLM engine, with the fastest ES measured there as its defaults: low-rank members in LoRA
 slots, N=32, σ=1e-2, α=1e-2; `--es-space full` writes full-rank members in place) or `--grpo-vllm` (GRPOTrainer
@@ -69,6 +70,22 @@ ES_VLLM_SETTINGS = {"population_size": 32, "sigma": 1e-2, "learning_rate": 1e-2,
 learned fastest per minute in the regime (small_sums_last at T = 0.6) on 2 CPU cores and kept its gains to 110
 updates (48 minutes): an engine screen and a σ/α sweep picked N = 32 and σ = 1e-2; the sweep's α = 2e-2 leads at
 12 minutes but overshoots and drifts by 48 (docs/study.md)."""
+ES_VARIANTS = {
+    "prompt-norm": {"scale_rewards": "group"},
+    "pass1-sampled": {"do_sample": True, "temperature": 0.6, "per_device_train_batch_size": 4, "num_generations": 4,
+                      "fitness_pass_k": 1},
+    "pass4-sampled": {"do_sample": True, "temperature": 0.6, "per_device_train_batch_size": 4, "num_generations": 4,
+                      "fitness_pass_k": 4},
+    "top8": {"fitness_top_k": 8, "learning_rate": 1.6e-2},
+    "noise-reuse4": {"noise_reuse": 4},
+}  # fmt: skip
+"""The ES variants `--es-variant` applies over ES's settings (the `--es-vllm` winner's: docs/study.md screens them
+there), before `--es-population`, `--es-sigma` and `--es-learning-rate`: `prompt-norm` z-scores each prompt's
+rewards across the members (`scale_rewards="group"`); `pass1-sampled` / `pass4-sampled` let members sample 4
+completions of 4 prompts at T = 0.6 (GRPO's 16 completions per step; `do_sample`) with Pass@1 / Pass@4 fitness;
+`top8` moves θ with the best 8 of 32 members only, α × 1.6 keeping the step's norm (the top quarter's z-scores
+average about 1.27: (1/32)·1.27·√8 against (1/32)·√32); `noise-reuse4` keeps each step's noise directions for 4
+steps."""
 GRPO_SETTINGS = {"learning_rate": 1e-5, "per_device_train_batch_size": 16, "num_generations": 4, "bf16": False}
 """TRL GRPOTrainer: 4 prompts × 4 completions per step, lr 1e-5 (TRL's default 1e-6 barely moves in minutes)."""
 VLLM_MAX_MODEL_LENGTH = 2048
@@ -130,7 +147,8 @@ def trainer_settings(kind: str, options) -> dict:
     overrides = {"population_size": options.es_population, "sigma": options.es_sigma,
                  "learning_rate": options.es_learning_rate}  # fmt: skip
     calibrated = ES_VLLM_SETTINGS if options.es_vllm else ES_SETTINGS
-    settings = {**calibrated, **{key: value for key, value in overrides.items() if value is not None}}
+    variant = {key: value for key, value in ES_VARIANTS.get(options.es_variant, {}).items() if key != "do_sample"}
+    settings = {**calibrated, **variant, **{key: value for key, value in overrides.items() if value is not None}}
     space = options.es_space or ("lowrank" if options.es_vllm else "full")
     if space != "full":
         settings["es_search_space"] = space
@@ -143,7 +161,12 @@ def stage_settings(kind: str, options) -> dict:
     """What a stage of `kind` ("es" or "grpo") trains with, as printed and saved (the engine: `use_vllm`)."""
     if kind == "grpo":
         return {"trainer": "trl.GRPOTrainer", **trainer_settings(kind, options)}
-    return {"trainer": "trl_es.ESTrainer", **trainer_settings(kind, options), "do_sample": options.es_sample}
+    return {"trainer": "trl_es.ESTrainer", **trainer_settings(kind, options), "do_sample": es_samples(options)}
+
+
+def es_samples(options) -> bool:
+    """Whether ES's members sample (`--es-sample`, or a sampling `--es-variant`) or generate greedily."""
+    return options.es_sample or ES_VARIANTS.get(options.es_variant, {}).get("do_sample", False)
 
 
 def train(kind: str, model: str, output_dir: str, dataset, options) -> dict:
@@ -163,7 +186,7 @@ def train(kind: str, model: str, output_dir: str, dataset, options) -> dict:
         from .. import ESConfig, ESTrainer
 
         args = ESConfig(
-            **common, **trainer_settings(kind, options), generation_kwargs={"do_sample": options.es_sample}
+            **common, **trainer_settings(kind, options), generation_kwargs={"do_sample": es_samples(options)}
         )
         trainer = ESTrainer(model, options.reward_funcs, args=args, train_dataset=dataset, callbacks=[budget])
         completions_per_step = args.population_size * args.per_device_train_batch_size * args.num_generations
@@ -348,7 +371,8 @@ def study(options, progress=print_progress) -> dict:
     return results
 
 
-def main(argv: list[str] | None = None) -> dict:
+def study_parser():
+    """The command's options (the module docstring)."""
     parser = command_parser("trl-es study", __doc__.splitlines()[0])
     parser.add_argument("--task", default="small_sums", help=", ".join(TASKS))
     parser.add_argument("--model", default="smollm2", help="the starting model (path or id; 'smollm2')")
@@ -374,6 +398,8 @@ def main(argv: list[str] | None = None) -> dict:
                         "weights with --es-space full), with the fastest settings measured there as defaults")  # fmt: skip
     parser.add_argument("--grpo-vllm", action="store_true", help="GRPOTrainer generates with vLLM colocate "
                         "(use_vllm=True; GPU only: its weight sync fails on vLLM's CPU backend)")  # fmt: skip
+    parser.add_argument("--es-variant", choices=tuple(ES_VARIANTS), help="an ES variant over ES's settings "
+                        "(`ES_VARIANTS`: per-prompt normalisation, Pass@k fitness, top-K members, noise reuse)")  # fmt: skip
     parser.add_argument("--es-anchor-decay", type=float, default=0.0, help="ES's anchored decay λ (es_anchor_decay): "
                         "θ ← θ − λ·(θ − θ₀) after each update; its KL drift and held-out change measure forgetting")  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=1_000_000, help="a cap on steps besides the budget")
@@ -394,6 +420,11 @@ def main(argv: list[str] | None = None) -> dict:
                         "Pass@1 and Pass@K against time (pass_vs_time.png); 1: the end only")  # fmt: skip
     parser.add_argument("--seeds", default="0", help="comma-separated training and sampling seeds: several give "
                         "one study per seed (DIR/seed-<s>) and the table of their spread in DIR")  # fmt: skip
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = study_parser()
     options = parser.parse_args(argv)
     options.methods = [m for m in options.methods.split(",") if m]
     options.heldout = [task for task in options.heldout.split(",") if task]

@@ -109,19 +109,13 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
             model, args, processing_class, peft_config, quantization_config
         )
         check_vision([train_dataset, *eval_datasets(eval_dataset)], processing_class, model, args)
-        self.agents = None
-        if tools or environment_factory is not None:
-            self.agents = Agents(processing_class, args, tools, environment_factory)
+        agents = bool(tools) or environment_factory is not None
+        self.agents = Agents(processing_class, args, tools, environment_factory) if agents else None
         self.reward_functions = RewardFunctions(
-            reward_funcs,
-            args.reward_weights,
-            reward_processing_classes,
-            args.model_init_kwargs,
-            args.trust_remote_code,
-            args.chat_template_kwargs,
-            owned=self.agents.reward_funcs if self.agents is not None else (),
-        )
-        environments = self.agents is not None and self.agents.environments
+            reward_funcs, args.reward_weights, reward_processing_classes, args.model_init_kwargs,
+            args.trust_remote_code, args.chat_template_kwargs, owned=self.agents.reward_funcs if agents else (),
+        )  # fmt: skip
+        environments = agents and self.agents.environments
         columns = getattr(train_dataset, "column_names", None)
         self.reward_functions.check_signatures(columns, environments, rollout_func is not None)
         super().__init__(
