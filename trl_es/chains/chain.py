@@ -18,26 +18,23 @@ error before anything is written. Replay is bitwise on the device type and dtype
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import inspect
 import json
-import math
 import os
 import warnings
 from typing import TypedDict
 
 import torch
-import transformers.optimization
 from trl.trainer.utils import get_config_model_id
 
-from ..es.noise import CHUNK, MAX_TABLE_SIZE
 from ..es.params import upcast
-from ..es.space import SEARCH_SPACES, UpdateRule, names_problem
+from ..es.space import UpdateRule
 from ..es.weights import LocalWeights, weights_hash
 from ..util.atomic import atomic_write_text
-from ..util.compat import import_extra, is_peft_model
-from ..util.models import is_adapter_dir, is_hub_repository, quantization_record
+from ..util.compat import import_extra
+from ..util.models import is_adapter_dir, is_hub_repository
+from .header import base_setup, frozen_hash, rebuild_optimizer, run_header
+from .validation import check_content, no_constant, no_duplicates, space_class
 
 
 FORMAT = "trl-es-chain/1"
@@ -84,150 +81,6 @@ def _checksum(content: dict) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _space_class(kind: str):
-    """The registered search space of a chain's `kind` (chains of CoPES before it had its own name: "full")."""
-    if kind not in SEARCH_SPACES:
-        raise ValueError(
-            f"this trl-es cannot replay a chain of search space {kind!r} (it knows {sorted(SEARCH_SPACES)})"
-        )
-    return SEARCH_SPACES[kind]
-
-
-OPTIMIZER_MODULES = {"torch.optim": torch.optim, "transformers.optimization": transformers.optimization}
-"""The modules whose optimizers a chain records, by name, and replay builds: a chain names no other code to run."""
-
-
-def optimizer_header(optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter]) -> dict:
-    """What rebuilds `optimizer` over `params`: its module and class name, defaults, and per param group its
-    parameter names and options (parameters outside `params`, not trained by ES, are left out). A ValueError for an
-    optimizer of another module, which replay could not build."""
-    cls = type(optimizer)
-    module = next(
-        (name for name, found in OPTIMIZER_MODULES.items() if getattr(found, cls.__name__, None) is cls), None
-    )
-    if module is None:
-        raise ValueError(
-            f"es_optimizer with {cls.__module__}.{cls.__qualname__}: a seed chain records optimizers of "
-            f"{' and '.join(OPTIMIZER_MODULES)} only, and replay could not rebuild this one. Choose one of theirs "
-            "(optim='adamw_torch', 'sgd', 'adafactor', …, or optimizer_cls_and_kwargs)"
-        )
-    names = {id(p): name for name, p in params.items()}
-    groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "parameters": [names[id(p)] for p in group["params"]
-                                                                            if id(p) in names]}
-        for group in optimizer.param_groups
-    ]  # fmt: skip
-    return {"module": module, "class": cls.__name__, "defaults": optimizer.defaults, "groups": groups}
-
-
-def rebuild_optimizer(header: dict, params: dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer `optimizer_header` describes (a chain without "module", from before it was recorded, names a
-    torch.optim class)."""
-    module = header.get("module", "torch.optim")
-    cls = getattr(OPTIMIZER_MODULES.get(module), header["class"], None)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ValueError(
-            f"a seed chain can replay optimizers of {' and '.join(OPTIMIZER_MODULES)} only, not "
-            f"{module}.{header['class']}"
-        )
-    groups = [{**{k: v for k, v in g.items() if k != "parameters"}, "params": [params[n] for n in g["parameters"]]}
-              for g in header["groups"]]  # fmt: skip
-    accepted = inspect.signature(cls).parameters  # defaults may hold derived entries (AdamW's decoupled_weight_decay)
-    return cls(groups, **{k: v for k, v in header["defaults"].items() if k in accepted})
-
-
-def run_header(args, params, space, optimizer) -> dict:
-    """What a run's chain header records of its set-up (all but `base`): the ES parameters' dtype and names, the
-    noise table, the search space (and optimizer, and anchored decay), the settings."""
-    optimizer = {"optimizer": optimizer_header(optimizer, params)} if args.es_optimizer and optimizer else {}
-    anchor = {"anchor_decay": space.rule.anchor_decay} if space.rule.anchor_decay else {}
-    return {
-        "dtype": str(next(iter(params.values())).dtype).removeprefix("torch."),
-        "parameters": list(params),
-        "noise": {"seed": args.seed, "table_size": args.noise_table_size},
-        "space": {**space.chain_header(), **optimizer, **anchor},
-        "settings": {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.metadata.get("chain")},
-    }
-
-
-RESUME_FIELDS = {"base": "adapter (peft_config, es_adapter_only), model dtype or quantization",
-                 "dtype": "the model's dtype", "parameters": "es_parameter_patterns (the parameters ES moves)",
-                 "noise": "seed or noise_table_size",
-                 "space": "es_search_space or its settings, or es_anchor_decay"}  # fmt: skip
-"""The header parts a resumed run must share with its checkpoint's chain, and the settings that decide them."""
-
-SCHEDULE = ("learning_rate", "lr_scheduler_type")
-"""The settings a resumed run cannot change: Trainer's saved scheduler keeps the checkpoint's."""
-
-
-def check_resume(chain: Chain, expected: dict, checkpoint: str) -> dict:
-    """A ValueError when the run resuming `checkpoint` would record other updates than its chain describes (a resumed
-    chain must still replay to the run's weights), or change the learning-rate schedule (Trainer keeps the
-    checkpoint's): `expected` is this run's `run_header` with "base" its `base_setup`. Checked before anything is
-    loaded. Returns the other settings the run changes (recorded in the chain from its next step)."""
-    again = (
-        f"Resume with the checkpoint's settings, or start a new run from it with model={checkpoint!r} and a new "
-        "output_dir"
-    )
-    for key, settings in RESUME_FIELDS.items():
-        recorded, now = chain.header[key], expected[key]
-        if key == "space":  # the optimizer is checked with its state (`ChainRecorder.check_optimizer`)
-            recorded, now = ({k: v for k, v in part.items() if k != "optimizer"} for part in (recorded, now))
-        if key == "base":  # how the base is loaded, as far as the chain records it (older chains: less)
-            recorded, now = {k: recorded[k] for k in now if k in recorded}, {k: now[k] for k in now if k in recorded}
-        if recorded != now:
-            raise ValueError(
-                f"resuming {checkpoint} with other {settings} than it was trained with ({differences(recorded, now)}):"
-                f" the seed chain would no longer replay to the run's weights. {again}"
-            )
-    recorded = chain.settings()
-    changed = {name: value for name, value in expected["settings"].items() if recorded.get(name, value) != value}
-    schedule = {name: changed[name] for name in SCHEDULE if name in changed}
-    if schedule:
-        raise ValueError(
-            f"resuming {checkpoint} with another learning-rate schedule than it was trained with "
-            f"({differences({k: recorded[k] for k in schedule}, schedule)}): Trainer keeps the checkpoint's. {again}"
-        )
-    return changed
-
-
-def differences(recorded, now, prefix: str = "") -> str:
-    """The first few places where `now` differs from `recorded`, as 'key: recorded → now'."""
-    if isinstance(recorded, dict) and isinstance(now, dict):
-        found = [differences(recorded.get(k), now.get(k), f"{prefix}{k}.") for k in {**recorded, **now}
-                 if recorded.get(k) != now.get(k)]  # fmt: skip
-        return "; ".join(found[:3])
-    if isinstance(recorded, list) and isinstance(now, list) and len(recorded) != len(now):
-        return f"{prefix.rstrip('.') or 'list'}: {len(recorded)} entries → {len(now)}"
-    if isinstance(recorded, list) and isinstance(now, list):
-        i = next(i for i, (a, b) in enumerate(zip(recorded, now, strict=True)) if a != b)
-        return f"{prefix}{i}: {str(recorded[i])[:60]} → {str(now[i])[:60]}"
-    return f"{prefix.rstrip('.') or 'value'}: {str(recorded)[:60]} → {str(now)[:60]}"
-
-
-def base_setup(args, model, params: dict, new_adapter: bool) -> dict:
-    """How the base of a run on `model` (ES parameters `params`; `new_adapter`: ESTrainer added it) is loaded again
-    at replay: its adapter (a new one's `peft_config`, or `es_adapter_only` for a PeftModel whose own adapter ES
-    trains), dtype and quantization."""
-    peft_config = getattr(model, "peft_config", {}).get("default") if new_adapter else None
-    if peft_config is not None:  # which base it sits on is the chain's base (its weights: `frozen_hash`)
-        peft_config = {
-            k: v for k, v in peft_config.to_dict().items() if k not in ("base_model_name_or_path", "revision")
-        }
-    return {
-        "es_adapter_only": args.es_adapter_only or (is_peft_model(model) and not new_adapter),
-        "peft_config": _jsonable(peft_config),
-        "model_dtype": load_dtype(model, params),
-        "quantization": quantization_record(model),
-    }
-
-
-def frozen_hash(model, params: dict) -> str:
-    """SHA-256 (`weights_hash`) of `model`'s parameters outside the ES parameters `params`: what ES never moves."""
-    trained = {id(p) for p in params.values()}
-    return weights_hash({name: p for name, p in model.named_parameters() if id(p) not in trained})
-
-
 def new_chain(args, model, params, space, optimizer, model_source: str, new_adapter: bool) -> Chain:
     """The seed chain of a run starting from `model`'s weights now (the start of training): `params` are the ES
     parameters, `space` the search space, `optimizer` Trainer's (recorded with `es_optimizer` only). `model_source`
@@ -244,24 +97,6 @@ def new_chain(args, model, params, space, optimizer, model_source: str, new_adap
         **base_setup(args, model, params, new_adapter),
     )
     return Chain(Header(base=base, **run_header(args, params, space, optimizer)))
-
-
-def load_dtype(model, params: dict) -> str:
-    """The dtype the base was loaded in: that of its floating-point parameters outside the ES parameters `params`
-    (which mixed precision upcasts to float32, `ESConfig.bf16`), else the model's."""
-    trained = {id(p) for p in params.values()}
-    others = (p.dtype for p in model.parameters() if id(p) not in trained and p.dtype.is_floating_point)
-    return str(next(others, model.dtype)).removeprefix("torch.")
-
-
-def _jsonable(value):
-    """`value` with sets as sorted lists, for JSON."""
-    if isinstance(value, dict):
-        return {key: _jsonable(item) for key, item in value.items()}
-    if isinstance(value, (set, frozenset, list, tuple)):
-        items = [_jsonable(item) for item in value]
-        return sorted(items, key=str) if isinstance(value, (set, frozenset)) else items
-    return value
 
 
 class Tip(TypedDict, total=False):
@@ -331,7 +166,7 @@ class Chain:
         weights.capture()
         from ..util.models import load_starting_model
 
-        replay = _space_class(space["kind"]).replayer(space, weights, load_starting_model)
+        replay = space_class(space["kind"]).replayer(space, weights, load_starting_model)
         rule = UpdateRule(anchor_decay=space.get("anchor_decay", 0.0))  # what follows each update, as in training
         if space.get("optimizer"):
             rule.use_optimizer(rebuild_optimizer(space["optimizer"], params))
@@ -394,7 +229,7 @@ def load_chain(source: str) -> Chain:
         raise FileNotFoundError(f"no seed chain at {source!r}: give es_chain.json, a folder holding it or a Hub id")
     try:
         with open(path, encoding="utf-8") as file:
-            data = json.load(file, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+            data = json.load(file, object_pairs_hook=no_duplicates, parse_constant=no_constant)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise ValueError(f"{path} is not a readable seed chain (truncated, or nested too deep): {error!r}") from error
     if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -403,112 +238,8 @@ def load_chain(source: str) -> Chain:
     content = {key: data.get(key) for key in ("format", "header", "steps", "tip") if key in data}
     if data.get("checksum") != _checksum(content):
         raise ValueError(f"{path} does not match its checksum: it was edited or cut short")
-    _check_content(data, path)
+    check_content(data, path)
     return Chain(data["header"], data["steps"], data.get("tip"))
-
-
-def _no_duplicates(pairs: list[tuple]) -> dict:
-    keys = [key for key, _ in pairs]
-    if len(keys) != len(set(keys)):
-        raise json.JSONDecodeError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}", "", 0)
-    return dict(pairs)
-
-
-def _no_constant(name: str):
-    raise json.JSONDecodeError(f"{name} is not a number a chain may hold", "", 0)
-
-
-DTYPES = ("float32", "bfloat16", "float16", "float64")
-
-
-def _check_content(data: dict, path: str) -> None:
-    """Every field a replay reads, of the right type and range (`ValueError` naming the first that is not)."""
-
-    def require(ok: bool, what: str) -> None:
-        if not ok:
-            raise ValueError(f"{path}: {what}")
-
-    header, steps = data.get("header"), data.get("steps")
-    require(isinstance(header, dict), "the header is missing")
-    base, noise, space = header.get("base"), header.get("noise"), header.get("space")
-    require(isinstance(base, dict) and isinstance(base.get("model"), str), "header.base.model must be a string")
-    is_sha256 = lambda value: isinstance(value, str) and len(value) == 64  # noqa: E731
-    require(is_sha256(base.get("sha256")), "header.base.sha256 must be a SHA-256")
-    require(base.get("frozen_sha256") is None or is_sha256(base["frozen_sha256"]), "bad header.base.frozen_sha256")
-    require(base.get("peft_config") is None or isinstance(base["peft_config"], dict), "bad header.base.peft_config")
-    require(base.get("path") is None or isinstance(base["path"], str), "header.base.path must be a string")
-    require(header.get("dtype") in DTYPES, f"header.dtype must be one of {DTYPES}")
-    require(base.get("model_dtype", "float32") in DTYPES, f"header.base.model_dtype must be one of {DTYPES}")
-    require(base.get("quantization") is None or isinstance(base["quantization"], dict), "bad header.base.quantization")
-    names = header.get("parameters")
-    require(isinstance(names, list) and names and all(isinstance(n, str) for n in names), "bad header.parameters")
-    require(isinstance(noise, dict) and _is_int(noise.get("seed")), "header.noise.seed must be an integer")
-    size = noise.get("table_size")
-    require(
-        _is_int(size) and CHUNK <= size <= MAX_TABLE_SIZE,
-        f"header.noise.table_size must be in {CHUNK}..{MAX_TABLE_SIZE}",
-    )
-    require(isinstance(space, dict), "header.space is missing")
-    decay = space.get("anchor_decay", 0.0)
-    require(type(decay) in (int, float) and 0 <= decay < 1, "header.space.anchor_decay must be a number in [0, 1)")
-    problem = _space_class(space.get("kind")).check_chain_header(space, names)
-    if problem is None and space.get("optimizer") is not None:
-        problem = _optimizer_problem(space["optimizer"], names)
-    if problem is None and base.get("peft_config") is not None:
-        problem = _adapter_problem(base["peft_config"])
-    require(problem is None, problem)
-    require(isinstance(steps, list), "steps must be a list")
-    previous = None
-    for entry in steps:
-        require(isinstance(entry, dict) and _is_int(entry.get("step")), f"a step record is malformed: {entry!r:.80}")
-        require(previous is None or entry["step"] == previous + 1, f"step {entry['step']} does not follow {previous}")
-        require(entry.get("update") is None or isinstance(entry["update"], dict), f"step {entry['step']}: bad update")
-        require(_finite_numbers(entry.get("update")), f"step {entry['step']}: a number is not finite or out of range")
-        previous = entry["step"]
-
-
-def _optimizer_problem(optimizer, parameters: list[str]) -> str | None:
-    """The first problem of a chain's `space.optimizer` (`optimizer_header`'s) that would stop `rebuild_optimizer`."""
-    if not isinstance(optimizer, dict) or not isinstance(optimizer.get("class"), str):
-        return "header.space.optimizer must name the optimizer's class"
-    if not isinstance(optimizer.get("defaults"), dict):
-        return "header.space.optimizer.defaults must be a dict of the optimizer's settings"
-    groups = optimizer.get("groups")
-    if not isinstance(groups, list) or not groups or not all(isinstance(group, dict) for group in groups):
-        return "header.space.optimizer.groups must list the optimizer's parameter groups"
-    field = "header.space.optimizer.groups[{}].parameters"
-    problems = (names_problem(field.format(i), group.get("parameters"), parameters) for i, group in enumerate(groups))
-    return next((problem for problem in problems if problem), None)
-
-
-def _adapter_problem(config: dict) -> str | None:
-    """The first problem of a chain's `base.peft_config` whose ranks (positive integers) or scalings (numbers) are
-    not."""
-    ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
-    if not isinstance(ranks, dict) or not isinstance(alphas, dict):
-        return "header.base.peft_config's rank_pattern and alpha_pattern must map module names to numbers"
-    if not all(type(rank) is int and rank > 0 for rank in [config.get("r", 8), *ranks.values()]):
-        return "header.base.peft_config.r and its rank_pattern must be positive integers"
-    if not all(type(alpha) in (int, float) for alpha in [config.get("lora_alpha", 8), *alphas.values()]):
-        return "header.base.peft_config.lora_alpha and its alpha_pattern must be numbers"
-    return None
-
-
-def _is_int(value) -> bool:
-    return type(value) is int and 0 <= value < 1 << 63
-
-
-def _finite_numbers(value) -> bool:
-    """Every number in `value` finite in float64 (ints within 64 bits): what replay turns into floats and seeds."""
-    if isinstance(value, dict):
-        return all(_finite_numbers(item) for item in value.values())
-    if isinstance(value, list):
-        return all(_finite_numbers(item) for item in value)
-    if type(value) is int:
-        return abs(value) < 1 << 64
-    if type(value) is float:
-        return math.isfinite(value)
-    return True
 
 
 def load_base(path: str, header: dict) -> torch.nn.Module:

@@ -12,18 +12,8 @@ from ..es.weights import weights_hash
 from ..util.atomic import atomic_directory
 from ..util.compat import is_peft_model
 from ..util.models import is_adapter_dir
-from .chain import (
-    FILE,
-    Chain,
-    Tip,
-    base_setup,
-    check_resume,
-    frozen_hash,
-    load_chain,
-    new_chain,
-    optimizer_header,
-    run_header,
-)
+from .chain import FILE, Chain, Tip, load_chain, new_chain
+from .header import base_setup, check_resume, frozen_hash, optimizer_header, run_header
 
 
 def file_sha256(path: str) -> str:
