@@ -11,8 +11,9 @@ from ..util.compat import SAMPLING_FIELDS
 from ..util.models import processor_of, text_tokenizer
 from .base import Completions, Generation, compute_dtype
 from .transformers_backend import TransformersGeneration
-from .vllm_backend import VLLMGeneration, VLLMWeights, plan_engine, start_engine
+from .vllm_backend import VLLMGeneration, VLLMWeights
 from .vllm_engine import require_vllm
+from .vllm_plan import plan_engine, start_engine
 
 
 def decoding_config(tokenizer, eos_token_ids: list[int], max_new_tokens: int, **decoding) -> GenerationConfig:
