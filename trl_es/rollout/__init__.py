@@ -2,7 +2,7 @@
 implementations, chosen once per run (`make_rollout`) and used by training and evaluation alike:
 
 - `PlainRollout` (`plain`): one batched `generate` of the generation backend on the rows' prompts;
-- `AgentRollout` (`episodes`): multi-turn episodes of the run's `Agents` (tools and environments, GRPOTrainer's agent
+- `AgentRollout`: multi-turn episodes (`episodes`) of the run's `Agents` (tools and environments, GRPOTrainer's agent
   contracts);
 - `RolloutFunction` (`functions`): the user's `rollout_func(prompts, trainer)`, which generates by itself.
 """
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ..generation import Completions
-from .episodes import AgentRollout, Agents
+from .episodes import Agents
 from .functions import RolloutFunction
 from .plain import PlainRollout
 
@@ -57,6 +57,19 @@ def check_agent_arguments(args, tools, environment_factory, rollout_func) -> Non
         raise ValueError(
             "ESConfig.log_completion_entropy is not recorded for agent episodes (tools, environments, rollout_func)"
         )
+
+
+class AgentRollout:
+    """The `Rollout` of a run with tools or environments: `agents`' episodes played through `generation`."""
+
+    batches_members = True
+    records_entropy = False
+
+    def __init__(self, agents: Agents, generation):
+        self.agents, self.generation = agents, generation
+
+    def __call__(self, rows, n, seeds, n_members=1, route=None, key=None, record_entropy=False) -> Completions:
+        return self.agents.run(rows, n_members, n, seeds, key, route or (lambda members: None), self.generation)
 
 
 def make_rollout(generation, agents: Agents | None = None, rollout_func=None, trainer=None) -> Rollout:

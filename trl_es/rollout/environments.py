@@ -141,3 +141,10 @@ def environment_reward(env_type: type, around: Callable) -> Callable:
 
     get_reward.__name__ = env_type.__name__
     return get_reward
+
+
+def appended(message: dict, observation: str):
+    """A message's content with an environment's `reset` observation appended (as a text block to content blocks,
+    as GRPOTrainer appends it)."""
+    content = message["content"]
+    return content + [{"type": "text", "text": observation}] if isinstance(content, list) else content + observation

@@ -56,27 +56,14 @@ from ..util.compat import parse_response, parses_responses, tool_suffix_ids
 from ..util.models import processor_of, text_tokenizer
 from .environments import (
     CHECK_ROUNDS,
+    appended,
     attribute_pictures,
     environment_methods,
     environment_reward,
     no_exit,
     seeded,
 )
-from .tools import MAX_NESTING, ToolTimeout, call_with_timeout, exit_guarded, nesting
-
-
-def appended(message: dict, observation: str):
-    """A message's content with an environment's `reset` observation appended (as a text block to content blocks,
-    as GRPOTrainer appends it)."""
-    content = message["content"]
-    return content + [{"type": "text", "text": observation}] if isinstance(content, list) else content + observation
-
-
-TOOL_TEMPLATE_HINT = (
-    "set a tool-capable chat template on the tokenizer (processing_class), e.g. TRL's Qwen2.5 template: "
-    "tokenizer.chat_template = open(os.path.join(os.path.dirname(trl.__file__), 'chat_templates', "
-    "'qwen2_5.jinja')).read()"
-)
+from .tools import MAX_NESTING, TOOL_TEMPLATE_HINT, ToolTimeout, call_with_timeout, exit_guarded, nesting
 
 
 @dataclass
@@ -449,16 +436,3 @@ class Agents:
                 results[i] = future.result()
             except Exception as error:  # the model's mistake, shown to it as the tool's answer
                 results[i] = self._failed(episode, error)
-
-
-class AgentRollout:
-    """The `Rollout` of a run with tools or environments: `agents`' episodes played through `generation`."""
-
-    batches_members = True
-    records_entropy = False
-
-    def __init__(self, agents: Agents, generation):
-        self.agents, self.generation = agents, generation
-
-    def __call__(self, rows, n, seeds, n_members=1, route=None, key=None, record_entropy=False) -> Completions:
-        return self.agents.run(rows, n_members, n, seeds, key, route or (lambda members: None), self.generation)

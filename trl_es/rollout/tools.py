@@ -22,6 +22,13 @@ async def exit_guarded(coroutine, what: str):
         return await coroutine
 
 
+TOOL_TEMPLATE_HINT = (
+    "set a tool-capable chat template on the tokenizer (processing_class), e.g. TRL's Qwen2.5 template: "
+    "tokenizer.chat_template = open(os.path.join(os.path.dirname(trl.__file__), 'chat_templates', "
+    "'qwen2_5.jinja')).read()"
+)
+
+
 class ToolTimeout(TimeoutError):
     """A tool call that did not answer within `tool_call_timeout`."""
 
