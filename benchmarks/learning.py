@@ -106,10 +106,12 @@ SETTINGS |= {
 `-cosine` anneals α from 2e-2 to 0 over the 121 updates the constant-α winner reached in 48 minutes (a shorter
 budget stops it earlier on the schedule), `-half-alpha` keeps α constant at 1e-2. Run them without `--sigma`/`--alpha`,
 which would override both."""
+
+
 def variants() -> dict[str, dict]:
-    """`trl-es study`'s ES variants (`trl_es.commands.study.ES_VARIANTS`), each over today's winner
+    """`trl-es study`'s ES variants (`trl_es.commands.study_settings.ES_VARIANTS`), each over today's winner
     (`lowrank-vllm-n32-half-alpha`: low-rank members in one vLLM call, N = 32, σ = α = 1e-2)."""
-    from trl_es.commands.study import ES_VARIANTS
+    from trl_es.commands.study_settings import ES_VARIANTS
 
     winner, found = SETTINGS["lowrank-vllm-n32-half-alpha"], {}
     for name, variant in ES_VARIANTS.items():
@@ -161,7 +163,8 @@ def train(method: str, seed: int, minutes: float, marks: int, folder: str) -> li
 
 def stage(method: str, seed: int, minutes: float, marks: int, folder: str, model: str | None = None) -> list[dict]:
     """`method` trained from `model` (default SmolLM2-135M-Instruct) for `minutes`; its `marks` saved points."""
-    from trl_es.commands.study import GRPO_SETTINGS, Budget
+    from trl_es.commands.study import Budget
+    from trl_es.commands.study_settings import GRPO_SETTINGS
     from trl_es.tasks import get_task
     from trl_es.util.models import smollm2_dir
 

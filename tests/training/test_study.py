@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from trl_es.commands import study as study_module
+from trl_es.commands import study_settings
 from trl_es.commands.study import main as study
 
 
@@ -195,33 +196,38 @@ def test_each_method_trains_with_the_search_space_and_engine_asked(tmp_path, mon
 
     monkeypatch.setattr(study_module, "study", lambda options: options)
     plain = study(["--out", str(tmp_path / "study")])
-    assert study_module.stage_settings("es", plain) == {"trainer": "trl_es.ESTrainer", **study_module.ES_SETTINGS,
+    assert study_settings.stage_settings("es", plain) == {"trainer": "trl_es.ESTrainer", **study_settings.ES_SETTINGS,
                                                         "do_sample": False}  # fmt: skip
-    assert study_module.stage_settings("grpo", plain) == {"trainer": "trl.GRPOTrainer", **study_module.GRPO_SETTINGS}
+    assert study_settings.stage_settings("grpo", plain) == {
+        "trainer": "trl.GRPOTrainer",
+        **study_settings.GRPO_SETTINGS,
+    }
 
     options = study(["--es-space", "lowrank", "--es-population", "32", "--es-sigma", "1e-3", "--es-learning-rate",
                      "2e-3", "--es-vllm", "--grpo-vllm"])  # fmt: skip
-    es = ESConfig(output_dir=str(tmp_path / "es"), **study_module.trainer_settings("es", options))
+    es = ESConfig(output_dir=str(tmp_path / "es"), **study_settings.trainer_settings("es", options))
     assert (es.es_search_space, es.population_size, es.sigma, es.learning_rate) == ("lowrank", 32, 1e-3, 2e-3)
-    assert es.use_vllm and es.vllm_mode == "colocate" and study_module.stage_settings("es", options)["use_vllm"]
+    assert es.use_vllm and es.vllm_mode == "colocate" and study_settings.stage_settings("es", options)["use_vllm"]
     grpo = GRPOConfig(
-        output_dir=str(tmp_path / "grpo"), use_cpu=True, **study_module.trainer_settings("grpo", options)
+        output_dir=str(tmp_path / "grpo"), use_cpu=True, **study_settings.trainer_settings("grpo", options)
     )
     assert grpo.use_vllm and grpo.vllm_mode == "colocate" and grpo.learning_rate == 1e-5
     # --es-vllm alone: the settings measured fastest on that engine, in low-rank members unless --es-space full
-    fastest = study_module.trainer_settings("es", study(["--es-vllm"]))
-    assert fastest == {**study_module.ES_VLLM_SETTINGS, "es_search_space": "lowrank", "use_vllm": True,
-                       "vllm_mode": "colocate", "vllm_max_model_length": study_module.VLLM_MAX_MODEL_LENGTH}  # fmt: skip
-    in_place = study_module.trainer_settings("es", study(["--es-vllm", "--es-space", "full", "--es-population", "8"]))
+    fastest = study_settings.trainer_settings("es", study(["--es-vllm"]))
+    assert fastest == {**study_settings.ES_VLLM_SETTINGS, "es_search_space": "lowrank", "use_vllm": True,
+                       "vllm_mode": "colocate", "vllm_max_model_length": study_settings.VLLM_MAX_MODEL_LENGTH}  # fmt: skip
+    in_place = study_settings.trainer_settings(
+        "es", study(["--es-vllm", "--es-space", "full", "--es-population", "8"])
+    )
     assert "es_search_space" not in in_place and in_place["population_size"] == 8 and in_place["sigma"] == 1e-2
     with pytest.raises(SystemExit):
         study(["--es-space", "merge"])
     # --es-variant: its fields over the engine's settings, the command's own after them; a sampling one samples
-    top = ESConfig(output_dir=str(tmp_path / "top"), **study_module.trainer_settings("es", study(
+    top = ESConfig(output_dir=str(tmp_path / "top"), **study_settings.trainer_settings("es", study(
         ["--es-vllm", "--es-variant", "top8", "--es-population", "16"])))  # fmt: skip
     assert (top.fitness_top_k, top.learning_rate, top.population_size) == (8, 1.6e-2, 16)
     sampled = study(["--es-vllm", "--es-variant", "pass4-sampled"])
-    settings = study_module.stage_settings("es", sampled)
+    settings = study_settings.stage_settings("es", sampled)
     assert settings["do_sample"] and (settings["fitness_pass_k"], settings["num_generations"]) == (4, 4)
     with pytest.raises(SystemExit):
         study(["--es-variant", "bogus"])
