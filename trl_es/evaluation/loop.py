@@ -235,6 +235,17 @@ def decoding_description(settings: dict) -> str:
     return f"sampled, temperature {settings['temperature']}, top-p {settings['top_p']}, top-k {settings['top_k'] or 'off'}"
 
 
+def make_folder(out_dir: str) -> None:
+    """`out_dir` made a folder (with its parents); a ValueError naming it when it cannot be (a file there, or in its
+    path)."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as error:
+        raise ValueError(
+            f"--out-dir {out_dir!r} cannot be made a folder ({error.strerror}); choose another"
+        ) from error
+
+
 def evaluate_tasks(
     models: list[str],
     tasks: list[str],
@@ -286,23 +297,17 @@ def evaluate_tasks(
     if len(tasks) > 1 and (split is not None or source is not None):
         raise ValueError("--split and --source name one task's data: evaluate that task on its own")
     n, k_values = values["n"], check_k(values["n"], values["k"])
-    greedy, backend = values["temperature"] == 0, {"backend": "vllm"} if use_vllm else {}
-    if use_vllm and not vllm_entropy:
-        backend["entropy"] = False  # records without token entropy
-    sampling = None if greedy else {"temperature": values["temperature"], "top_p": top_p, "top_k": top_k}
-    settings, problems = {}, {}
+    backend = {"backend": "vllm", **({} if vllm_entropy else {"entropy": False})} if use_vllm else {}
+    sampling = None if values["temperature"] == 0 else {"temperature": values["temperature"], "top_p": top_p,
+                                                         "top_k": top_k}  # fmt: skip
+    problems = {}
     for name, task in task_of.items():
         dataset = load_problems(task, split, source, limit)
         length = values["max_completion_length"] or task.max_completion_length
-        settings[name] = record_settings(name, task, dataset, split, source, n, length, sampling, batch_size, seed)
-        settings[name] |= backend
-        problems[name] = (task, dataset, settings[name])
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as error:  # a file there, or in its path
-        raise ValueError(
-            f"--out-dir {out_dir!r} cannot be made a folder ({error.strerror}); choose another"
-        ) from error
+        record = record_settings(name, task, dataset, split, source, n, length, sampling, batch_size, seed) | backend
+        problems[name] = (task, dataset, record)
+    settings = {name: record for name, (_, _, record) in problems.items()}
+    make_folder(out_dir)
     results, taken = {"tasks": tasks, "k": k_values, "protocol": protocol_record, "train_task": train_task,
                       "settings": settings, "models": {}}, set()  # fmt: skip
     progress(f"decoding: {decoding_description(settings[tasks[0]])}")
