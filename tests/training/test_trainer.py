@@ -328,3 +328,21 @@ def test_images_for_a_text_model_are_refused_not_trained_on_their_text(tmp_path,
     for datasets in ({"train_dataset": with_images}, {"train_dataset": chats, "eval_dataset": with_images}):
         with pytest.raises(ValueError, match=f"has an '{column}' column.*a text-only model.*train on the text alone"):
             ESTrainer(tiny_model_dir, even_token_share, args=config(tmp_path), **datasets)
+
+
+def test_the_run_facts_are_decided_once_and_are_what_the_run_uses(tmp_path, tiny_model_dir, prompt_dataset):
+    """`trainer.facts` (`RunFacts`) is built once from the prepared model and frozen; what the layers act on is
+    it: the low-rank space perturbs the targets the facts name, θ's dtype and the engine are the facts'."""
+    import dataclasses
+
+    from trl_es.util.facts import RunFacts
+
+    args = config(tmp_path, es_search_space="lowrank", max_steps=1)
+    trainer = ESTrainer(tiny_model_dir, upper_vocab_share, args=args, train_dataset=prompt_dataset)
+    facts = trainer.facts
+    assert isinstance(facts, RunFacts) and facts.engine == "transformers" and facts.zero_stage is None
+    assert not (facts.vision or facts.quantized or facts.adapter or facts.fused_experts)
+    assert facts.lowrank_targets == tuple(trainer.space.targets)  # the weights the members perturb
+    assert facts.theta_dtype == next(iter(trainer.es_params.values())).dtype and facts.compute_dtype is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        facts.engine = "vllm-colocate"

@@ -18,6 +18,7 @@ A tool-calling episode's turns are scripted as in tests/training/test_agents.py 
 `generate` runs with each member's weights, and the script decides what the completion says.
 """
 
+import dataclasses
 import http.server
 import importlib.util
 import json
@@ -499,11 +500,17 @@ def test_the_70b_multi_node_recipe_is_refused_naming_what_to_run_instead(
     """GRPO trainer page, "GRPO at scale": 4 nodes × 8 processes under ZeRO-3 (bf16, TRL's default on GPU) talking
     to one vLLM server. Each of its three settings is refused once the processes are known (checked here directly,
     with the launch's ZeRO stage and process count)."""
+    from accelerate import Accelerator
+
     from trl_es.training.checks import check_setup
+    from trl_es.training.loading import run_facts
 
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, **settings)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    facts = run_facts(model, AutoTokenizer.from_pretrained(tiny_model_dir), dict(model.named_parameters()), args,
+                      Accelerator(cpu=True), zero_stage)  # fmt: skip
     with pytest.raises(ValueError, match=message):
-        check_setup(args, AutoModelForCausalLM.from_pretrained(tiny_model_dir), zero_stage, processes)
+        check_setup(args, dataclasses.replace(facts, num_processes=processes))
 
 
 class VLLMDevServer(http.server.BaseHTTPRequestHandler):
@@ -572,5 +579,6 @@ def test_trl_zero3_config_as_shipped_keeps_theta_in_float32_or_is_refused(tmp_pa
                           args=args, train_dataset=Dataset.from_dict({"prompt": ["Count to 3:"]}))  # fmt: skip
     assert trainer.accelerator.mixed_precision == "bf16"
     assert trainer.generation.compute_dtype == torch.bfloat16  # the members in bfloat16, as GRPO's autocast
+    assert trainer.facts.half_precision == "bf16"  # the launcher's, in the run's facts
     with pytest.raises(ValueError, match="mixed precision .bf16.*accelerate config's mixed_precision.*ZeRO-3"):
-        check_setup(args, trainer.model, 3, 2, trainer.accelerator.mixed_precision)
+        check_setup(trainer.args, dataclasses.replace(trainer.facts, zero_stage=3, num_processes=2))

@@ -8,7 +8,7 @@ from transformers import GenerationConfig
 
 from ..es.weights import LocalWeights
 from ..util.compat import SAMPLING_FIELDS
-from ..util.models import processor_of, text_tokenizer
+from ..util.models import text_tokenizer
 from .base import Completions, Generation, compute_dtype
 from .transformers_backend import TransformersGeneration
 from .vllm_backend import VLLMGeneration, VLLMWeights
@@ -46,23 +46,24 @@ def generation_config(
     return decoding_config(tokenizer, eos_token_ids, args.max_completion_length, **decoding)
 
 
-def make_backend(model, processing_class, eos_token_ids, args, accelerator, params):
+def make_backend(model, processing_class, eos_token_ids, args, accelerator, params, facts):
     """(generation backend, weights backend) for ESConfig's `use_vllm` / `vllm_mode`: transformers `generate` and
     `LocalWeights` over `params`, or vLLM and `VLLMWeights` (the trainer's tensors take the same updates).
-    `processing_class`: the tokenizer, or a vision-language model's processor (transformers path only)."""
+    `processing_class`: the tokenizer, or a vision-language model's processor (transformers path only); `facts`: the
+    run's `RunFacts`."""
     tokenizer = text_tokenizer(processing_class)
-    image_token_id = model.config.image_token_id if processor_of(processing_class) else None
+    image_token_id = model.config.image_token_id if facts.vision else None
     config = generation_config(args, tokenizer, eos_token_ids, image_token_id)
     generation_args = (model, processing_class, config, eos_token_ids)
     local = LocalWeights(params, args.seed, args.noise_table_size, storage_device="cpu")
-    if not args.use_vllm:
+    if facts.engine == "transformers":
         return TransformersGeneration(
-            *generation_args, args.chat_template_kwargs, compute_dtype=compute_dtype(accelerator.mixed_precision)
+            *generation_args, args.chat_template_kwargs, compute_dtype=facts.compute_dtype
         ), local
-    if args.vllm_mode == "colocate":  # a server runs vLLM in its own environment; the trainer only talks HTTP
+    if facts.engine == "vllm-colocate":  # a server runs vLLM in its own environment; the trainer only talks HTTP
         require_vllm()
-    plan = plan_engine(model, params, args)  # its refusals come before the engine starts
-    engine = start_engine(model, tokenizer, args, accelerator, params, plan)
+    plan = plan_engine(model, params, args, facts)  # its refusals come before the engine starts
+    engine = start_engine(model, tokenizer, args, accelerator, params, plan, facts)
     generation = VLLMGeneration(engine, *generation_args, args.chat_template_kwargs, args.generation_kwargs)
     return generation, VLLMWeights(local, generation, args, plan)
 

@@ -26,7 +26,6 @@ from transformers import GenerationConfig
 
 from ..es.noise import Region
 from ..es.weights import LocalWeights, weights_hash
-from ..util.models import is_quantized_model
 from .base import Generation
 from .vllm_engine import Colocated, Servers
 from .vllm_plan import EnginePlan, base_weights
@@ -142,6 +141,7 @@ class VLLMWeights:
         self.lowrank_names, self.lowrank_rank = plan.lowrank_targets, args.lowrank_rank
         # an adapter's members: LoRA slots 1.. (the population and the centre, in one call), its θ in slot 0
         self.adapter, self.adapter_slots, self.adapter_ids = plan.adapter, plan.lora_slots, []
+        self.base_from_files = plan.base_from_files
         # several full-ES members in one call: an adapter's in LoRA slots 1.., or one member per server
         self.batches_members = self.adapter is not None or isinstance(self.engine, Servers)
         self.member_slots = len(self.engine.servers) if isinstance(self.engine, Servers) else self.adapter_slots
@@ -204,7 +204,7 @@ class VLLMWeights:
         rank = max(int(p.shape[0]) for n, p in tensors if ".lora_A." in n)
         payload = {k: payload[k] for k in ("seed", "noise_table_size", "names")}
         payload |= {"slots": self.adapter_slots, "rank": rank, "modules": self.adapter}
-        base = None if is_quantized_model(model) else base_weights(model)
+        base = None if self.base_from_files else base_weights(model)
         results = self.engine.rpc("es_adapter_init", payload, tensors, base)
         errors = [r["error"] for r in results if "error" in r]
         if errors:

@@ -10,11 +10,8 @@ import tempfile
 
 import torch
 
-from ..es.lowrank import lowrank_targets
 from ..es.params import is_fused_experts
-from ..util.compat import is_peft_model
 from ..util.models import is_quantized_model, quantization_name
-from .base import compute_dtype
 from .vllm_engine import LORA_RANKS, Colocated, Server, Servers, lora_settings, server_urls
 
 
@@ -27,9 +24,10 @@ class EnginePlan:
     adapter: list[list] | None  # a PeftModel's LoRA layers (`adapter_modules`): its members fill LoRA slots 1..
     lora: dict | None  # vllm.LLM's LoRA fields for either (None: no LoRA)
     lora_slots: int  # the members one generate call holds in LoRA slots (an adapter's: the population and the centre)
+    base_from_files: bool = False  # an adapter's quantized base: vLLM quantizes it from its files, not the trainer's
 
 
-def plan_engine(model, params: dict, args) -> EnginePlan:
+def plan_engine(model, params: dict, args, facts) -> EnginePlan:
     """The run's `EnginePlan`; a ValueError, before any engine starts, for what vLLM cannot evaluate: a mixture of
     experts' fused tensors served (the server's loader writes them unpacked) or as low-rank members, an adapter
     vLLM's LoRA cannot hold (`adapter_modules`) or of a rank above its largest."""
@@ -40,15 +38,15 @@ def plan_engine(model, params: dict, args) -> EnginePlan:
             "server reads θ from the model's files, which hold each expert's gate_proj, up_proj and down_proj apart, "
             "not the trainer's fused tensors. Use vllm_mode='colocate'"
         )
-    experts = next((name for name, p in params.items() if is_fused_experts(p)), None)
-    if experts and args.es_search_space == "lowrank":
+    experts = next(iter(facts.fused_experts), None)
+    if experts and facts.lowrank_targets is not None:
         raise ValueError(
             f"es_search_space='lowrank' with use_vllm=True and {experts!r}, a mixture of experts' fused expert "
             "tensor: vLLM evaluates low-rank members as LoRA adapters, which cannot reach its fused experts. Use "
             "es_search_space='full' (members are written into vLLM's experts), use_vllm=False, or "
             "es_parameter_patterns that leave the experts out"
         )
-    if is_peft_model(model):
+    if facts.adapter:
         modules = adapter_modules(model, params)
         rank = max(int(model.get_parameter(a).shape[0]) for _, a, _, _ in modules)  # A's too where ES trains B alone
         if rank > LORA_RANKS[-1]:
@@ -60,15 +58,15 @@ def plan_engine(model, params: dict, args) -> EnginePlan:
         lora = {"enable_lora": True, "max_loras": slots + 1, "max_cpu_loras": slots + 1,
                 "max_lora_rank": next(r for r in LORA_RANKS if r >= rank),
                 "lora_target_modules": sorted({module.rpartition(".")[2] for module, *_ in modules})}  # fmt: skip
-        return EnginePlan(None, modules, lora, slots)
-    if args.es_search_space == "lowrank":
-        targets = list(lowrank_targets(model, params))
+        return EnginePlan(None, modules, lora, slots, base_from_files=facts.quantized)
+    if facts.lowrank_targets is not None:
+        targets = list(facts.lowrank_targets)
         lora = lora_settings(args, targets)
         return EnginePlan(targets, None, lora, lora["max_loras"])
     return EnginePlan(None, None, None, 0)
 
 
-def start_engine(model, tokenizer, args, accelerator, params, plan: EnginePlan) -> Colocated | Server | Servers:
+def start_engine(model, tokenizer, args, accelerator, params, plan: EnginePlan, facts) -> Colocated | Server | Servers:
     """The run's engine: a running server, or an in-process one on the model's directory (the weights are replaced
     by the trainer's at `VLLMWeights.start`), with the LoRA slots of `plan`; for an adapter, on its base's
     directory (its weights too replaced by the trainer's base at `start`, but for a quantized base, which vLLM
@@ -78,10 +76,9 @@ def start_engine(model, tokenizer, args, accelerator, params, plan: EnginePlan) 
         return Server(args, urls[0]) if len(urls) == 1 else Servers(args, urls)
     if plan.adapter is not None:
         base = model.get_base_model()
-        dtype = compute_dtype(accelerator.mixed_precision)
-        dtype = dtype or next(p.dtype for n, p in model.named_parameters() if n not in params)
+        dtype = facts.compute_dtype or next(p.dtype for n, p in model.named_parameters() if n not in params)
         return Colocated(base_dir(base), args, accelerator, dtype, plan.lora, quantization=vllm_quantization(base))
-    dtype = compute_dtype(accelerator.mixed_precision) or next(iter(params.values())).dtype  # θ stays float32 there
+    dtype = facts.compute_dtype or facts.theta_dtype  # θ stays float32 there
     return Colocated(model_dir(model, tokenizer), args, accelerator, dtype, plan.lora)
 
 

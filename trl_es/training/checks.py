@@ -141,28 +141,30 @@ def check_optimizer_parameters(optimizer, params: dict) -> None:
         )
 
 
-def check_setup(args, model, zero_stage: int | None, num_processes: int, mixed_precision: str = "no") -> None:
-    """A ValueError for settings this run's set-up cannot honour, known once the model is loaded and the processes
-    started (ESConfig refuses what its fields alone decide; each search space checks its own, `check_setup`)."""
-    if is_peft_model(model) and args.use_vllm and args.vllm_mode == "server":
+def check_setup(args, facts) -> None:
+    """A ValueError for settings this run's set-up cannot honour, known once the model is prepared and the processes
+    started (`facts`: the run's `RunFacts`; ESConfig refuses what its fields alone decide; each search space checks
+    its own, `check_setup`). Before any engine starts."""
+    zero_stage, num_processes = facts.zero_stage, facts.num_processes
+    if facts.adapter and facts.engine == "vllm-server":
         raise ValueError(
             "an adapter (peft_config, es_adapter_only) with vllm_mode='server': not supported yet (the server would "
             "need the adapter's weights); use vllm_mode='colocate', whose engine evaluates the adapter's members in "
             "its LoRA slots"
         )
-    if is_peft_model(model) and args.use_vllm and args.es_search_space not in ("full", "copes"):
+    if facts.adapter and args.use_vllm and args.es_search_space not in ("full", "copes"):
         raise ValueError(
             f"es_search_space={args.es_search_space!r} with an adapter and use_vllm=True: vLLM's LoRA slots hold the "
             "adapter's full-ES members ('full', 'copes'); use one of those, or use_vllm=False"
         )
-    if is_peft_model(model) and args.sparse_delta_tau is not None:
+    if facts.adapter and args.sparse_delta_tau is not None:
         raise ValueError(
             "ESConfig.sparse_delta_tau needs a full model: a PEFT adapter is already a compact update (train "
             "without es_adapter_only to get a sparse delta of the merged model)"
         )
     if args.use_vllm and zero_stage == 3:
         raise ValueError("use_vllm=True needs θ whole on every process: use ZeRO-2 or none (ZeRO-3 partitions it)")
-    servers = len(server_urls(args)) if args.use_vllm and args.vllm_mode == "server" else num_processes
+    servers = len(server_urls(args)) if facts.engine == "vllm-server" else num_processes
     if servers < num_processes:
         raise ValueError(
             f"vllm_mode='server' with {num_processes} processes and {servers} server(s): a server holds one member's "
@@ -170,7 +172,7 @@ def check_setup(args, model, zero_stage: int | None, num_processes: int, mixed_p
             "URL per process at least (comma-separated: process r drives every K-th from the r-th), or use fewer "
             "processes, or vllm_mode='colocate'."
         )
-    half = "bf16" if args.bf16 else "fp16" if args.fp16 else mixed_precision if mixed_precision != "no" else None
+    half = facts.half_precision
     if half and zero_stage == 3:
         raise ValueError(
             f"mixed precision ({half}: ESConfig's bf16/fp16 or the accelerate config's mixed_precision) with ZeRO-3: "

@@ -1,6 +1,6 @@
 """What training starts from: the model as ESTrainer takes it (loaded with `trl_es.util.models`, checked by
-`trl_es.training.checks`), its tokenizer, θ's precision, the parameters ES selects among, the prompt datasets (an agent
-run's included); and how the training data is read (`DataMixin`)."""
+`trl_es.training.checks`), its tokenizer, θ's precision, the parameters ES selects among, the run's facts
+(`run_facts`), the prompt datasets (an agent run's included); and how the training data is read (`DataMixin`)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,19 @@ from torch.utils.data import DataLoader, SequentialSampler
 from transformers.utils import logging
 from trl.trainer.utils import disable_dropout_in_model
 
-from ..es.params import HALF_PRECISION, upcast
+from ..es.lowrank import lowrank_targets
+from ..es.params import HALF_PRECISION, is_fused_experts, upcast
+from ..generation.base import compute_dtype
 from ..util.compat import is_peft_model
+from ..util.facts import RunFacts
 from ..util.models import (
     add_adapter,
     eos_token_ids,
+    is_quantized_model,
     is_vision_language,
     load_processing_class,
     load_starting_model,
+    processor_of,
     resolve_model,
 )
 from .checks import (
@@ -96,6 +101,27 @@ def eval_datasets(eval_dataset) -> list:
     if eval_dataset is None:
         return []
     return list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
+
+
+def run_facts(model, processing_class, params: dict, args, accelerator, zero_stage: int | None) -> RunFacts:
+    """The run's `RunFacts`, from its prepared model, processing class and ES parameters `params` (θ in its training
+    dtype), ESConfig `args`, the Accelerator and the ZeRO stage."""
+    mixed = accelerator.mixed_precision
+    half = "bf16" if args.bf16 else "fp16" if args.fp16 else mixed if mixed != "no" else None
+    targets = tuple(lowrank_targets(model, params)) if args.es_search_space == "lowrank" else None
+    return RunFacts(
+        vision=processor_of(processing_class) is not None,
+        quantized=is_quantized_model(model),
+        adapter=is_peft_model(model),
+        fused_experts=tuple(name for name, p in params.items() if is_fused_experts(p)),
+        lowrank_targets=targets,
+        theta_dtype=next(iter(params.values())).dtype,
+        compute_dtype=compute_dtype(mixed),
+        half_precision=half,
+        zero_stage=zero_stage,
+        num_processes=accelerator.num_processes,
+        engine=f"vllm-{args.vllm_mode}" if args.use_vllm else "transformers",
+    )
 
 
 def es_candidates(model, patterns: list[str] | None):

@@ -27,7 +27,15 @@ from .checkpoints import SavingMixin
 from .checks import check_arguments, check_eval_dataset, check_optimizer_parameters, check_setup, check_vision
 from .config import ESConfig
 from .distributed import Processes, engine_size
-from .loading import DataMixin, es_candidates, eval_datasets, keep_theta_in_float32, prepare_model, training_dataset
+from .loading import (
+    DataMixin,
+    es_candidates,
+    eval_datasets,
+    keep_theta_in_float32,
+    prepare_model,
+    run_facts,
+    training_dataset,
+)
 from .population import Population
 from .reporting import ReportingMixin
 from .steplog import StepLog
@@ -147,7 +155,6 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         args = self.args
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         self.is_deepspeed_enabled = False
-        check_setup(args, self.model, zero_stage, self.accelerator.num_processes, self.accelerator.mixed_precision)
         self.processes = Processes(
             self.accelerator, zero_stage, args.ddp_timeout, Population.slot_count(args), engine_size(args)
         )
@@ -157,17 +164,20 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
                 self.processes.share_weights(self.model)
         return zero_stage
 
-    def _set_up_es(self, tokenizer, eos_ids: list[int], rollout_func, zero_stage: int | None) -> None:
-        """What an ES step runs on: the ES parameters θ (float32 under mixed precision), the generation and weights
-        backends, the search space, the rollout and the population."""
+    def _set_up_es(self, processing_class, eos_ids: list[int], rollout_func, zero_stage: int | None) -> None:
+        """What an ES step runs on: the ES parameters θ (float32 under mixed precision), the run's facts (refused
+        here when the set-up cannot honour them), the generation and weights backends, the search space, the rollout
+        and the population."""
         args = self.args
         self.model.add_model_tags(self._tag_names)
         self.reward_functions.to(self.accelerator.device)
         patterns = args.es_parameter_patterns
         self.es_params = select_parameters(es_candidates(self.model, patterns), patterns)
         keep_theta_in_float32(self.es_params, self.accelerator.mixed_precision)
+        self.facts = run_facts(self.model, processing_class, self.es_params, args, self.accelerator, zero_stage)
+        check_setup(args, self.facts)
         self.generation, self.weights = make_backend(
-            self.model, tokenizer, eos_ids, args, self.accelerator, self.es_params
+            self.model, processing_class, eos_ids, args, self.accelerator, self.es_params, self.facts
         )
         space = search_space(args.es_search_space)
         self.space = space.build(args, self.model, self.weights, load_starting_model, zero_stage)
