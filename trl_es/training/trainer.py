@@ -155,9 +155,8 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         args = self.args
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         self.is_deepspeed_enabled = False
-        self.processes = Processes(
-            self.accelerator, zero_stage, args.ddp_timeout, Population.slot_count(args), engine_size(args)
-        )
+        slots = Population.slot_count(args)
+        self.processes = Processes(self.accelerator, zero_stage, args.ddp_timeout, slots, engine_size(args))
         if self.processes.fsdp_launch():
             self.is_fsdp_enabled = False
             if not is_quantized_model(self.model):
@@ -176,17 +175,15 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         keep_theta_in_float32(self.es_params, self.accelerator.mixed_precision)
         self.facts = run_facts(self.model, processing_class, self.es_params, args, self.accelerator, zero_stage)
         check_setup(args, self.facts)
-        self.generation, self.weights = make_backend(
-            self.model, processing_class, eos_ids, args, self.accelerator, self.es_params, self.facts
-        )
+        backend = (self.model, processing_class, eos_ids, args, self.accelerator, self.es_params, self.facts)
+        self.generation, self.weights = make_backend(*backend)
         space = search_space(args.es_search_space)
         self.space = space.build(args, self.model, self.weights, load_starting_model, zero_stage)
         self.rollout = make_rollout(self.generation, self.agents, rollout_func, self)
         if self.agents is not None:
             self.agents.check_reproducible(next(iter(self.train_dataset)), args.seed)
-        self.population = Population(
-            args, self.space, self.rollout, self.reward_functions, self.processes, self.generation.tokenize
-        )
+        parts = (self.space, self.rollout, self.reward_functions, self.processes, self.generation.tokenize)
+        self.population = Population(args, *parts)
 
     chain = property(lambda self: self.chain_recorder.chain, doc="The run's seed chain (`trl_es.chains.Chain`).")
 
@@ -248,9 +245,8 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         if not self.accelerator.sync_gradients:
             return torch.zeros((), device=self.args.device)
         rows, self._pending_rows = self._pending_rows, []
-        learning_rate = (
-            self.lr_scheduler.get_last_lr()[0] if self.lr_scheduler is not None else self.args.learning_rate
-        )
+        scheduler = self.lr_scheduler
+        learning_rate = scheduler.get_last_lr()[0] if scheduler is not None else self.args.learning_rate
         loss = self._es_step(rows, self.state.global_step, learning_rate)
         return torch.tensor(loss, device=self.args.device)
 
