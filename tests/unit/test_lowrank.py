@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trl_es.es import select_parameters
-from trl_es.es.lowrank import LowRankPopulation, apply_lowrank_update, lowrank_factors, lowrank_targets, lowrank_update
+from trl_es.es.lowrank import apply_lowrank_update, lowrank_factors, lowrank_update
+from trl_es.generation.lowrank_forward import LowRankPopulation, lowrank_targets
 
 
 SIGMA = 0.05

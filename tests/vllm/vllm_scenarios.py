@@ -271,7 +271,7 @@ def lowrank(out: Path) -> dict:
     results["in_place"] = vl.weights.members_in_place
 
     # a member's effective weights inside vLLM (W + adapter B·A) against the hooks' W + σ·sign/√r·A·Bᵀ
-    from trl_es.es.lowrank import LowRankPopulation
+    from trl_es.generation.lowrank_forward import LowRankPopulation
 
     space, inside_vllm = vl.space, extension(vl)
     members = [(member_seed(5, 1, 0), 1), (member_seed(5, 1, 1), -1)]

@@ -81,8 +81,12 @@ class BatchedWeights(WeightsBackend, Protocol):
 
 @runtime_checkable
 class AdapterWeights(WeightsBackend, Protocol):
-    """A backend whose engine evaluates low-rank members as adapters (vLLM's LoRA slots), for the low-rank search
-    space: members never written into the weights, updates mirrored from the trainer's tensors."""
+    """A backend that evaluates low-rank members in the forward pass, for the low-rank search space: hooks on the
+    trainer's model (`trl_es.generation.transformers_backend.TransformersWeights`) or vLLM's LoRA slots; members
+    never written into the weights, updates mirrored from the trainer's tensors."""
+
+    lowrank_names: list[str] | None
+    """The weights low-rank members perturb (None: the run is not low-rank)."""
 
     def lowrank_members(self, members: list[tuple[int, float]]) -> contextlib.AbstractContextManager:
         """Within the context, adapter k holds member k = (seed, σ·sign; scale 0: θ); yields the search space's

@@ -10,7 +10,8 @@ from ..es.weights import LocalWeights
 from ..util.compat import SAMPLING_FIELDS
 from ..util.models import text_tokenizer
 from .base import Completions, Generation, compute_dtype
-from .transformers_backend import TransformersGeneration
+from .lowrank_forward import target_modules
+from .transformers_backend import TransformersGeneration, TransformersWeights
 from .vllm_backend import VLLMGeneration, VLLMWeights
 from .vllm_engine import require_vllm
 from .vllm_plan import plan_engine, start_engine
@@ -55,11 +56,14 @@ def make_backend(model, processing_class, eos_token_ids, args, accelerator, para
     image_token_id = model.config.image_token_id if facts.vision else None
     config = generation_config(args, tokenizer, eos_token_ids, image_token_id)
     generation_args = (model, processing_class, config, eos_token_ids)
-    local = LocalWeights(params, args.seed, args.noise_table_size, storage_device="cpu")
+    table = (args.seed, args.noise_table_size)
     if facts.engine == "transformers":
+        targets = None if facts.lowrank_targets is None else target_modules(model, facts.lowrank_targets)
+        weights = TransformersWeights(params, *table, storage_device="cpu", targets=targets, rank=args.lowrank_rank)
         return TransformersGeneration(
             *generation_args, args.chat_template_kwargs, compute_dtype=facts.compute_dtype
-        ), local
+        ), weights
+    local = LocalWeights(params, *table, storage_device="cpu")
     if facts.engine == "vllm-colocate":  # a server runs vLLM in its own environment; the trainer only talks HTTP
         require_vllm()
     plan = plan_engine(model, params, args, facts)  # its refusals come before the engine starts
@@ -72,6 +76,7 @@ __all__ = [
     "Completions",
     "Generation",
     "TransformersGeneration",
+    "TransformersWeights",
     "VLLMGeneration",
     "VLLMWeights",
     "compute_dtype",

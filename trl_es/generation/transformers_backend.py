@@ -3,14 +3,17 @@ included for a vision-language model."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from ..es.weights import LocalWeights
 from ..util.compat import SAMPLING_FIELDS, sampling_warpers
 from .base import Generation
+from .lowrank_forward import LowRankPopulation
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -176,3 +179,33 @@ class TransformersGeneration(Generation):
             per_step = torch.stack(recorder.steps, dim=1).double()  # (rows, generated steps)
             entropy_sums = [float(per_step[row, : len(ids)].sum()) for row, ids in enumerate(completion_ids)]
         return completion_ids, truncated, entropy_sums
+
+
+class TransformersWeights(LocalWeights):
+    """The transformers engine's weights backend: `LocalWeights` over the trainer's tensors, and for
+    es_search_space='lowrank' an `AdapterWeights` whose low-rank members are evaluated in the model's forward pass
+    (`LowRankPopulation` on `targets`: the weights by name, with the module that applies each)."""
+
+    def __init__(self, *args, targets: dict[str, torch.nn.Module] | None = None, rank: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.targets, self.rank = targets, rank
+        self.lowrank_names = None if targets is None else list(targets)
+
+    @contextlib.contextmanager
+    def lowrank_members(self, members: list[tuple[int, float]]):
+        """Within the context, the forward passes' rows routed to entry k evaluate member k = (seed, σ·sign; scale 0:
+        the centre θ); yields the `Route` of the next generate calls' rows."""
+        perturbed = [(seed, scale) for seed, scale in members if scale != 0]
+        if not perturbed:  # the centre alone (e.g. lowrank_members_per_call=1 with es_baseline="center"): θ itself
+            yield lambda rows: None
+            return
+        positions, k = [], 0
+        for _, scale in members:  # index into `members` → index into the perturbed ones (−1: the centre)
+            positions.append(-1 if scale == 0 else k)
+            k += scale != 0
+        seeds, signs = [seed for seed, _ in perturbed], [1 if scale > 0 else -1 for _, scale in perturbed]
+        with LowRankPopulation(self.targets, seeds, signs, abs(perturbed[0][1]), self.rank) as route:
+            yield lambda rows: route(positions[rows] if isinstance(rows, int) else [positions[i] for i in rows])
+
+    def lowrank_update(self, norm: float, coefficients: dict[int, float], names: list[str], rank: int) -> None:
+        """Nothing more: θ is the trainer's tensors, which the search space updated."""

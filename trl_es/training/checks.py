@@ -162,6 +162,13 @@ def check_setup(args, facts) -> None:
             "ESConfig.sparse_delta_tau needs a full model: a PEFT adapter is already a compact update (train "
             "without es_adapter_only to get a sparse delta of the merged model)"
         )
+    if facts.parameter_adapters and args.es_search_space == "lowrank":
+        raise ValueError(
+            f"es_search_space='lowrank' with a PEFT adapter on parameters (LoraConfig.target_parameters, e.g. "
+            f"{facts.parameter_adapters[0]!r}): peft builds that adapter's weight delta from its LoRA factors inside "
+            "the wrapped module's forward, where low-rank members cannot be added. Use es_search_space='full' or "
+            "'copes' with this adapter, or an adapter on modules (target_modules)"
+        )
     if args.use_vllm and zero_stage == 3:
         raise ValueError("use_vllm=True needs θ whole on every process: use ZeRO-2 or none (ZeRO-3 partitions it)")
     servers = len(server_urls(args)) if facts.engine == "vllm-server" else num_processes

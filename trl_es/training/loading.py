@@ -13,9 +13,9 @@ from torch.utils.data import DataLoader, SequentialSampler
 from transformers.utils import logging
 from trl.trainer.utils import disable_dropout_in_model
 
-from ..es.lowrank import lowrank_targets
 from ..es.params import HALF_PRECISION, is_fused_experts, upcast
 from ..generation.base import compute_dtype
+from ..generation.lowrank_forward import lowrank_targets, parameter_adapters
 from ..util.compat import is_peft_model
 from ..util.facts import RunFacts
 from ..util.models import (
@@ -114,6 +114,7 @@ def run_facts(model, processing_class, params: dict, args, accelerator, zero_sta
         quantized=is_quantized_model(model),
         adapter=is_peft_model(model),
         fused_experts=tuple(name for name, p in params.items() if is_fused_experts(p)),
+        parameter_adapters=tuple(name for name in parameter_adapters(model) if name in params),
         lowrank_targets=targets,
         theta_dtype=next(iter(params.values())).dtype,
         compute_dtype=compute_dtype(mixed),

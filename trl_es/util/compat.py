@@ -82,9 +82,9 @@ are (checked against the installed sources: tests/unit/test_compat.py)."""
 
 
 PRIVATE_NAMES = {
-    ("transformers.integrations.moe", "_apply_gate"): "es/lowrank.py: the gate of fused experts' gate_up output",
-    ("transformers.integrations.moe", "has_gate"): "es/lowrank.py: experts whose gate_up_proj holds gate and up",
-    ("transformers.integrations.moe", "is_transposed"): "es/lowrank.py: experts applied as x·Wᵀ (not transposed)",
+    ("transformers.integrations.moe", "_apply_gate"): "generation/lowrank_forward.py: the experts' gate",
+    ("transformers.integrations.moe", "has_gate"): "generation/lowrank_forward.py: experts with gate and up fused",
+    ("transformers.integrations.moe", "is_transposed"): "generation/lowrank_forward.py: experts applied as x·Wᵀ",
     ("vllm.lora.worker_manager", "_adapter_manager"): "generation/vllm_worker_lora.py: the LoRA slots' tensors",
     ("vllm.v1.engine.core_client", "_finalizer"): "generation/vllm_engine.py: detached, trl-es shuts the engine",
     ("torch.distributed.distributed_c10d", "_get_default_store"): "util/compat.py: `process_group_store`",

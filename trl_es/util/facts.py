@@ -21,6 +21,9 @@ class RunFacts:
     """θ is a PEFT adapter's weights (the model is a PeftModel: `peft_config` or `es_adapter_only`)."""
     fused_experts: tuple[str, ...]
     """The ES parameters that are a mixture of experts' fused expert tensors (E × … × …)."""
+    parameter_adapters: tuple[str, ...]
+    """The ES parameters that are LoRA factors of a PEFT adapter on parameters (`LoraConfig.target_parameters`),
+    which peft applies inside the wrapped module's forward."""
     lowrank_targets: tuple[str, ...] | None
     """With es_search_space='lowrank', the ES parameters its members perturb (linear weights, fused experts,
     routers); None otherwise."""
