@@ -110,9 +110,10 @@ def test_members_are_the_search_spaces_and_theta_is_restored_bitwise(tmp_path, t
         from trl_es.es.lowrank import lowrank_factors
 
         with torch.no_grad():
-            for name, module in trainer.space.targets.items():
-                a, b = lowrank_factors(diagnose_direction_seed(probe.seed, 0), name, module.weight.shape, 1)
-                module.weight.sub_(0.05 * a @ b.T)
+            for name in trainer.space.targets:
+                weight = trainer.es_params[name]
+                a, b = lowrank_factors(diagnose_direction_seed(probe.seed, 0), name, weight.shape, 1)
+                weight.sub_(0.05 * a @ b.T)
         assert mean_logprobs(probe, [completions])[0] == pytest.approx(float(x[0, 2]), rel=1e-5)
         trainer.weights.restore()
     assert mean_logprobs(probe, [completions])[0] == x[0, 0]
