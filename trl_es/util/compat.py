@@ -87,6 +87,11 @@ PRIVATE_NAMES = {
     ("transformers.integrations.moe", "is_transposed"): "generation/lowrank_forward.py: experts applied as x·Wᵀ",
     ("vllm.lora.worker_manager", "_adapter_manager"): "generation/vllm_worker_lora.py: the LoRA slots' tensors",
     ("vllm.v1.engine.core_client", "_finalizer"): "generation/vllm_engine.py: detached, trl-es shuts the engine",
+    ("vllm.model_executor.layers.linear", "_cpu_skip_gemm_dispatch"): "generation/vllm_worker.py: keep `.weight`",
+    ("transformers.configuration_utils", "_name_or_path"): "util/models.py: SmolLM2's Hub id on its offline copy",
+    ("transformers.generation.utils", "_get_logits_processor"): "util/compat.py: `sampling_warpers`",
+    ("trl.trainer.grpo_trainer", "_get_tool_suffix_ids"): "util/compat.py: `tool_suffix_ids`",
+    ("trl.trainer.base_trainer", "_BaseTrainer"): "util/compat.py: `BaseTrainer`, TRL's model card",
     ("torch.distributed.distributed_c10d", "_get_default_store"): "util/compat.py: `process_group_store`",
     ("argparse", "_actions"): "commands/train.py: the options of the `trl-es es` and accelerate parsers",
 }
