@@ -278,7 +278,8 @@ def lowrank(out: Path) -> dict:
     results["member_weight_errors"] = []
     sigma = vl.space.rule.sigma_at(1)
     with vl.weights.lowrank_members([(seed, sigma * sign) for seed, sign in members]):
-        for name, module in list(space.targets.items())[:3]:
+        for name in space.targets[:3]:
+            module = vl.model.get_submodule(name.rpartition(".")[0])
             hooks = LowRankPopulation({name: module}, [m[0] for m in members], [m[1] for m in members], sigma, 2)
             b_all, a_all = hooks.concatenated_factors(name, module.weight)
             a, b, _ = inside_vllm._es.lowrank[name]

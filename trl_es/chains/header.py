@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import TYPE_CHECKING
 
 import torch
 import transformers.optimization
@@ -14,10 +13,6 @@ import transformers.optimization
 from ..es.weights import weights_hash
 from ..util.compat import is_peft_model
 from ..util.models import quantization_record
-
-
-if TYPE_CHECKING:
-    from .chain import Chain
 
 
 OPTIMIZER_MODULES = {"torch.optim": torch.optim, "transformers.optimization": transformers.optimization}
@@ -88,9 +83,9 @@ SCHEDULE = ("learning_rate", "lr_scheduler_type")
 """The settings a resumed run cannot change: Trainer's saved scheduler keeps the checkpoint's."""
 
 
-def check_resume(chain: Chain, expected: dict, checkpoint: str) -> dict:
-    """A ValueError when the run resuming `checkpoint` would record other updates than its chain describes (a resumed
-    chain must still replay to the run's weights), or change the learning-rate schedule (Trainer keeps the
+def check_resume(chain, expected: dict, checkpoint: str) -> dict:
+    """A ValueError when the run resuming `checkpoint` would record other updates than its `chain` (a `Chain`)
+    describes (a resumed chain must still replay to the run's weights), or change the learning-rate schedule (Trainer keeps the
     checkpoint's): `expected` is this run's `run_header` with "base" its `base_setup`. Checked before anything is
     loaded. Returns the other settings the run changes (recorded in the chain from its next step)."""
     again = (
