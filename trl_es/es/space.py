@@ -140,8 +140,8 @@ class UpdateRule:
 
     @classmethod
     def from_config(cls, args) -> UpdateRule:
-        shaping = (args.sigma, args.sigma_decay, args.sigma_limit, args.fitness_shaping, args.es_anchor_decay)
-        return cls(*shaping, top_k=args.fitness_top_k, noise_reuse=args.noise_reuse)
+        return cls(args.sigma, args.sigma_decay, args.sigma_limit, args.fitness_shaping, args.es_anchor_decay,
+                   top_k=args.fitness_top_k, noise_reuse=args.noise_reuse)  # fmt: skip
 
     def sigma_at(self, step: int) -> float:
         return sigma_schedule(self.sigma, self.sigma_decay, self.sigma_limit, step)
