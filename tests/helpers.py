@@ -204,7 +204,7 @@ class SandboxUids:
 
 
 from trl_es.es import SEARCH_SPACES, Direction, SearchSpace, register, update_coefficients  # noqa: E402
-from trl_es.es.space import one_member  # noqa: E402
+from trl_es.es.space import UpdateRule, one_member  # noqa: E402
 
 
 class NormsOnlySpace(SearchSpace):
@@ -212,8 +212,9 @@ class NormsOnlySpace(SearchSpace):
 
     name = "test-norms-only"
 
-    def __init__(self, weights, seed: int, population_size: int):
-        self.weights, self.seed, self.population_size = weights, seed, population_size
+    def __init__(self, weights, seed: int, population_size: int, rule: UpdateRule):
+        super().__init__(weights, rule)
+        self.seed, self.population_size = seed, population_size
         self.names = [name for name in weights.params if "norm" in name]
 
     @classmethod
@@ -223,7 +224,7 @@ class NormsOnlySpace(SearchSpace):
 
     @classmethod
     def from_config(cls, args, model, weights, load_model=None):
-        return cls(weights, args.seed, args.population_size)
+        return cls(weights, args.seed, args.population_size, UpdateRule.from_config(args))
 
     def _ask(self, step, sigma):
         seeds = [self.seed * 1000 + step * 100 + i // 2 for i in range(self.population_size)]

@@ -46,8 +46,7 @@ def test_one_update_from_theta0_keeps_one_minus_lambda_of_the_step():
         params = {"a": torch.nn.Parameter(torch.randn(300)), "b": torch.nn.Parameter(torch.randn(7, 5))}
         start = {name: p.detach().clone() for name, p in params.items()}
         weights = LocalWeights(params, seed=1, table_size=1 << 21)
-        space = FullSpace(weights, seed=1, population_size=4)
-        space.rule = UpdateRule(sigma=0.1, anchor_decay=decay)
+        space = FullSpace(weights, seed=1, population_size=4, rule=UpdateRule(sigma=0.1, anchor_decay=decay))
         weights.capture()
         space.rule.hold_anchor(params)
         space.tell(space.ask(0), torch.tensor([1.0, 0.0, 3.0, 2.0]), learning_rate=0.5)

@@ -58,3 +58,21 @@ def test_a_registered_space_trains_and_replays_its_chain_bitwise(tmp_path, tiny_
     assert all(torch.equal(p, trained[name]) for name, p in replayed.named_parameters())
     with pytest.raises(ValueError, match="pairs its members"):
         ESConfig(output_dir=str(tmp_path), es_search_space=NormsOnlySpace.name, population_size=3)
+
+
+def test_a_space_made_without_its_update_rule_is_refused_by_name():
+    from trl_es.es.weights import LocalWeights
+
+    class RulelessSpace(NormsOnlySpace):
+        name = "test-ruleless"
+
+        def __init__(self, weights):
+            self.weights = weights  # SearchSpace.__init__ not called: no update rule
+
+        @classmethod
+        def from_config(cls, args, model, weights, load_model=None):
+            return cls(weights)
+
+    weights = LocalWeights({"norm.weight": torch.nn.Parameter(torch.ones(4))}, seed=0, table_size=1 << 12)
+    with pytest.raises(TypeError, match="'test-ruleless' was made without its update rule"):
+        RulelessSpace.build(None, None, weights, load_model=None, zero_stage=None)

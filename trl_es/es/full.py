@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from .space import Direction, SearchSpace, directions, names_problem, one_member, register
+from .space import Direction, SearchSpace, UpdateRule, directions, names_problem, one_member, register
 from .subspaces import PARTITIONS, member_groups, partition_parameters
 from .update import update_coefficients
 
@@ -34,8 +34,10 @@ class FullSpace(SearchSpace):
         weight_decay: float = 0.0,
         groups: list[list[str]] | None = None,
         gradient: bool = False,
+        rule: UpdateRule | None = None,
     ):
-        self.weights, self.seed, self.population_size = weights, seed, population_size
+        super().__init__(weights, rule)
+        self.seed, self.population_size = seed, population_size
         self.antithetic, self.weight_decay, self.groups, self.gradient = antithetic, weight_decay, groups, gradient
         self.batched = weights.batches_members  # an engine's LoRA slots, or several servers: many members a call
 
@@ -43,7 +45,8 @@ class FullSpace(SearchSpace):
     def from_config(cls, args, model, weights, load_model=None) -> FullSpace:
         decay = 0.0 if args.es_optimizer else args.weight_decay  # the optimizer decays the weights itself
         common = (args.seed, args.population_size, args.antithetic, decay)
-        return cls(weights, *common, groups=cls._groups(args, weights), gradient=args.es_optimizer)
+        groups = cls._groups(args, weights)
+        return cls(weights, *common, groups=groups, gradient=args.es_optimizer, rule=UpdateRule.from_config(args))
 
     @classmethod
     def _groups(cls, args, weights) -> list[list[str]] | None:

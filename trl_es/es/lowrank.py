@@ -18,7 +18,7 @@ import torch
 
 from .params import is_fused_experts
 from .seeds import lowrank_seed
-from .space import Direction, SearchSpace, directions, names_problem, register
+from .space import Direction, SearchSpace, UpdateRule, directions, names_problem, register
 from .update import not_finite, update_coefficients
 from .weights import AdapterWeights
 
@@ -155,6 +155,7 @@ class LowRankSpace(SearchSpace):
         antithetic: bool = False,
         members_per_call: int | None = None,
         gradient: bool = False,
+        rule: UpdateRule | None = None,
     ):
         if not targets:
             raise ValueError(
@@ -169,7 +170,8 @@ class LowRankSpace(SearchSpace):
                 f"(e.g. {fused[0]!r}) stay fixed. Use es_search_space='full' or 'copes' to train them",
                 stacklevel=3,
             )
-        self.weights, self.targets, self.seed, self.population_size = weights, targets, seed, population_size
+        super().__init__(weights, rule)
+        self.targets, self.seed, self.population_size = targets, seed, population_size
         self.rank, self.antithetic, self.per_call = rank, antithetic, members_per_call
         self.gradient = gradient  # True: write −ĝ into the weights' .grad for an optimizer (ESConfig.es_optimizer)
 
@@ -193,7 +195,8 @@ class LowRankSpace(SearchSpace):
         """From ESConfig: the weights backend's `lowrank_names` (the targets its forward pass perturbs), rank
         `lowrank_rank`."""
         common = (args.seed, args.population_size, args.lowrank_rank, args.antithetic)
-        return cls(weights, list(weights.lowrank_names or ()), *common, members_per_call(args), args.es_optimizer)
+        targets = list(weights.lowrank_names or ())
+        return cls(weights, targets, *common, members_per_call(args), args.es_optimizer, UpdateRule.from_config(args))
 
     def _ask(self, step: int, sigma: float) -> list[Direction]:
         return directions(self.seed, step, self.population_size, self.antithetic, sigma)

@@ -29,7 +29,7 @@ import torch
 
 from .params import layer_index
 from .seeds import merge_search_seed, merge_seed
-from .space import SearchSpace, one_member, register
+from .space import SearchSpace, UpdateRule, one_member, register
 from .weights import TrainerWeights, weights_hash
 
 
@@ -246,8 +246,10 @@ class MergeSpace(SearchSpace):
         sigma0: float = 0.2,
         popsize: int | None = None,
         seed: int = 0,
+        rule: UpdateRule | None = None,
     ):
-        self.weights, self.density, self.seed = weights, density, seed
+        super().__init__(weights, rule)
+        self.density, self.seed = density, seed
         self.base = {name: p.detach().to("cpu", copy=True) for name, p in weights.params.items()}
         self.models = [{"path": path, "sha256": weights_hash(named)} for path, named in tuned.items()]
         for path, named in tuned.items():
@@ -296,7 +298,7 @@ class MergeSpace(SearchSpace):
         _import("cma"), _import("peft.utils.merge_utils")  # the extra's error now, not after loading the models
         tuned = {path: dict(load_model(path).named_parameters()) for path in args.merge_models}
         settings = (args.merge_density, args.merge_init, args.merge_sigma, args.population_size, args.seed)
-        return cls(weights, tuned, *settings)
+        return cls(weights, tuned, *settings, rule=UpdateRule.from_config(args))
 
     def _ask(self, step: int, sigma: float) -> list[torch.Tensor]:
         return self.search.ask()  # the same on every process: CMA-ES is seeded, and adapts its own step size

@@ -192,12 +192,17 @@ class SearchSpace:
     backend: ClassVar[type] = WeightsBackend
     """The weights-backend protocol this space needs (`trl_es.es.weights`)."""
     rule: UpdateRule
-    """The update rule `ask` and `tell` apply (`build` gives the space the run's)."""
+    """The update rule `ask` and `tell` apply: the run's (`UpdateRule.from_config`), given to the space when it is
+    made (`__init__`)."""
+
+    def __init__(self, weights, rule: UpdateRule | None = None):
+        """A space over the weights backend `weights` under the update rule `rule` (default `UpdateRule()`)."""
+        self.weights, self.rule = weights, rule or UpdateRule()
 
     @classmethod
     def build(cls, args, model: torch.nn.Module, weights, load_model: Callable, zero_stage: int | None) -> SearchSpace:
         """The space ESConfig `args` selects for this run (`check_setup`, the weights backend it needs,
-        `from_config`), with the run's `UpdateRule`."""
+        `from_config`), made with the run's `UpdateRule`."""
         cls.check_setup(args, zero_stage)
         if not isinstance(weights, cls.backend):
             raise ValueError(
@@ -205,7 +210,11 @@ class SearchSpace:
                 f"a {type(weights).__name__}"
             )
         space = cls.from_config(args, model, weights, load_model)
-        space.rule = UpdateRule.from_config(args)
+        if not isinstance(getattr(space, "rule", None), UpdateRule):
+            raise TypeError(
+                f"search space {cls.name!r} was made without its update rule: its `from_config` must pass "
+                "`UpdateRule.from_config(args)` to `SearchSpace.__init__`"
+            )
         return space
 
     @classmethod
@@ -218,8 +227,9 @@ class SearchSpace:
 
     @classmethod
     def from_config(cls, args, model: torch.nn.Module, weights, load_model: Callable) -> SearchSpace:
-        """The space ESConfig `args` describes, over `model` and its weights backend (`trl_es.es.weights`);
-        `load_model(path)` loads another model as training loads a starting model (Hyper-ES's merge models)."""
+        """The space ESConfig `args` describes, over `model` and its weights backend (`trl_es.es.weights`), made with
+        the run's update rule `UpdateRule.from_config(args)`; `load_model(path)` loads another model as training
+        loads a starting model (Hyper-ES's merge models)."""
         raise NotImplementedError
 
     def ask(self, step: int) -> list:

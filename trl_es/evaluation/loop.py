@@ -280,6 +280,34 @@ def evaluate_tasks(
     scores it by teacher forcing in transformers. Bad input (unknown task, K outside 1..n, batch size or completion length
     below 1, a temperature that is not finite, missing columns or vLLM, an `out_dir` that cannot be a folder) fails
     before any model is loaded or any file written."""
+    tasks, n, k_values, protocol_record, problems = plan_evaluation(
+        models, tasks, n, k, split, source, limit, max_completion_length, temperature, top_p, batch_size, seed, greedy,
+        top_k, protocol, train_task, use_vllm, vllm_entropy,
+    )  # fmt: skip
+    settings = {name: record for name, (_, _, record) in problems.items()}
+    make_folder(out_dir)
+    results, taken = {"tasks": tasks, "k": k_values, "protocol": protocol_record, "train_task": train_task,
+                      "settings": settings, "models": {}}, set()  # fmt: skip
+    progress(f"decoding: {decoding_description(settings[tasks[0]])}")
+    for path in models:
+        name = model_name(path, taken)
+        progress(f"{name}: {', '.join(f'{t} × {len(d)}' for t, (_, d, _) in problems.items())} problems, n={n}")
+        start = time.perf_counter()
+        scores = evaluate_model(path, problems, n, k_values, os.path.join(out_dir, "records"), name, batch_size,
+                                progress, use_vllm, vllm_entropy)  # fmt: skip
+        results["models"][name] = {"path": path, "wall_s": round(time.perf_counter() - start, 1), "tasks": scores}
+        results["models"][name]["average"] = averages(results, name)
+    write_results(results, out_dir)
+    return results
+
+
+def plan_evaluation(
+    models, tasks, n, k, split, source, limit, max_completion_length, temperature, top_p, batch_size, seed, greedy,
+    top_k, protocol, train_task, use_vllm, vllm_entropy,
+) -> tuple[list[str], int, list[int], dict, dict]:  # fmt: skip
+    """`evaluate_tasks`'s arguments checked (a ValueError for bad input, before any model loads) and resolved:
+    (the tasks without repeats, n, the K values, the protocol's record, {task: (task, its problems, its records'
+    settings)})."""
     tasks = list(dict.fromkeys(tasks))
     if not tasks:
         raise ValueError("give at least one task")
@@ -306,21 +334,7 @@ def evaluate_tasks(
         length = values["max_completion_length"] or task.max_completion_length
         record = record_settings(name, task, dataset, split, source, n, length, sampling, batch_size, seed) | backend
         problems[name] = (task, dataset, record)
-    settings = {name: record for name, (_, _, record) in problems.items()}
-    make_folder(out_dir)
-    results, taken = {"tasks": tasks, "k": k_values, "protocol": protocol_record, "train_task": train_task,
-                      "settings": settings, "models": {}}, set()  # fmt: skip
-    progress(f"decoding: {decoding_description(settings[tasks[0]])}")
-    for path in models:
-        name = model_name(path, taken)
-        progress(f"{name}: {', '.join(f'{t} × {len(d)}' for t, (_, d, _) in problems.items())} problems, n={n}")
-        start = time.perf_counter()
-        scores = evaluate_model(path, problems, n, k_values, os.path.join(out_dir, "records"), name, batch_size,
-                                progress, use_vllm, vllm_entropy)  # fmt: skip
-        results["models"][name] = {"path": path, "wall_s": round(time.perf_counter() - start, 1), "tasks": scores}
-        results["models"][name]["average"] = averages(results, name)
-    write_results(results, out_dir)
-    return results
+    return tasks, n, k_values, protocol_record, problems
 
 
 def record_settings(name, task, dataset, split, source, n, length, sampling, batch_size, seed) -> dict:
