@@ -32,6 +32,8 @@ def no_constant(name: str):
 
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+THETA_DTYPES = (*DTYPES, "int8")
+"""The dtypes of the ES parameters a chain may record: the floating-point ones, and int8 (es_search_space='qes')."""
 
 
 def check_content(data: dict, path: str) -> None:
@@ -50,7 +52,7 @@ def check_content(data: dict, path: str) -> None:
     require(base.get("frozen_sha256") is None or is_sha256(base["frozen_sha256"]), "bad header.base.frozen_sha256")
     require(base.get("peft_config") is None or isinstance(base["peft_config"], dict), "bad header.base.peft_config")
     require(base.get("path") is None or isinstance(base["path"], str), "header.base.path must be a string")
-    require(header.get("dtype") in DTYPES, f"header.dtype must be one of {DTYPES}")
+    require(header.get("dtype") in THETA_DTYPES, f"header.dtype must be one of {THETA_DTYPES}")
     require(base.get("model_dtype", "float32") in DTYPES, f"header.base.model_dtype must be one of {DTYPES}")
     require(base.get("quantization") is None or isinstance(base["quantization"], dict), "bad header.base.quantization")
     names = header.get("parameters")

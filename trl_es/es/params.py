@@ -26,6 +26,30 @@ def is_quantized(p: torch.Tensor) -> bool:
     return not p.dtype.is_floating_point or type(p) not in (torch.Tensor, torch.nn.Parameter)
 
 
+def is_int8_weight(p: torch.Tensor) -> bool:
+    """Whether `p` is an LLM.int8 weight: bitsandbytes' `Int8Params` holding the int8 integers its layer's forward
+    reads (each row scaled by its own float, SCB), the θ of es_search_space='qes'."""
+    return type(p).__name__ == "Int8Params" and p.dtype == torch.int8
+
+
+def int8_parameters(
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]], patterns: list[str] | None = None
+) -> dict[str, torch.nn.Parameter]:
+    """The θ of es_search_space='qes': the int8 weights (`is_int8_weight`) of an 8-bit model, those whose name
+    matches one of the regular expressions in `patterns` (`re.search`) when given. A ValueError when there is none."""
+    int8 = {name: p for name, p in named_parameters if is_int8_weight(p)}
+    if patterns:
+        compiled = [re.compile(pattern) for pattern in patterns]
+        int8 = {name: p for name, p in int8.items() if any(c.search(name) for c in compiled)}
+    if not int8:
+        matching = f" matching `es_parameter_patterns` {patterns}" if patterns else ""
+        raise ValueError(f"es_search_space='qes' found no int8 weight{matching} in the model to train")
+    for name, p in int8.items():
+        if not p.is_contiguous():
+            raise ValueError(f"int8 weight {name!r} is not contiguous; QES steps flat views of its integers")
+    return int8
+
+
 def select_parameters(
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]], patterns: list[str] | None = None
 ) -> dict[str, torch.nn.Parameter]:

@@ -97,6 +97,12 @@ def lowrank_seed(member: int, name: str) -> int:
     return derive_seed("es-lowrank", member, name)
 
 
+def rounding_seed(member: int) -> int:
+    """The seed of the uniforms that round member seed `member`'s noise to integers (QES's stochastic rounding): its
+    noise windows hold ε′, and U = Φ(ε′) (`trl_es.es.qes.integer_noise`)."""
+    return derive_seed("es-rounding", member)
+
+
 def adapter_init_seed(seed: int) -> int:
     """The torch seed of a new PEFT adapter's initial weights (`peft_config`), so a seed chain can rebuild them."""
     return derive_seed("es-adapter-init", seed)

@@ -16,7 +16,7 @@ Every search space is registered in `SEARCH_SPACES` under its `name` (the `es_se
 chain's `kind`), read by ESConfig (the choices, `check_config`), the trainer (`check_setup`, `from_config`) and seed
 chains (`replayer`): a new search space is one registered class (docs/design.md, "Adding a search space").
 Registered here: `FullSpace` (full ES), `CoPESSpace` (cooperative subspaces), `LowRankSpace` (EGGROLL),
-`MergeSpace` (Hyper-ES).
+`MergeSpace` (Hyper-ES), `QESSpace` (integer ES on an 8-bit model's int8 weights).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import ClassVar
 import torch
 
 from .fitness import keep_top_k, shape_fitness
+from .params import select_parameters
 from .seeds import member_seed, noise_step
 from .weights import WeightsBackend
 
@@ -216,6 +217,13 @@ class SearchSpace:
                 "`UpdateRule.from_config(args)` to `SearchSpace.__init__`"
             )
         return space
+
+    @classmethod
+    def parameters(cls, named_parameters, patterns: list[str] | None) -> dict[str, torch.nn.Parameter]:
+        """θ: the parameters this space moves among the model's `named_parameters`, those whose name matches one of
+        `patterns` when given (ESConfig.es_parameter_patterns): the trainable floating-point ones
+        (`select_parameters`)."""
+        return select_parameters(named_parameters, patterns)
 
     @classmethod
     def check_config(cls, args, refuse: Callable[[str, str], None]) -> None:

@@ -4,8 +4,10 @@ served) whose workers hold the members' weights."""
 
 import dataclasses
 
+import torch
 from transformers import GenerationConfig
 
+from ..es.qes import Int8Weights
 from ..es.weights import LocalWeights
 from ..util.compat import SAMPLING_FIELDS
 from ..util.models import text_tokenizer
@@ -49,7 +51,8 @@ def generation_config(
 
 def make_backend(model, processing_class, eos_token_ids, args, accelerator, params, facts):
     """(generation backend, weights backend) for ESConfig's `use_vllm` / `vllm_mode`: transformers `generate` and
-    `LocalWeights` over `params`, or vLLM and `VLLMWeights` (the trainer's tensors take the same updates).
+    `LocalWeights` over `params` (`Int8Weights` over an 8-bit model's integers for QES), or vLLM and `VLLMWeights`
+    (the trainer's tensors take the same updates).
     `processing_class`: the tokenizer, or a vision-language model's processor (transformers path only); `facts`: the
     run's `RunFacts`."""
     tokenizer = text_tokenizer(processing_class)
@@ -58,11 +61,14 @@ def make_backend(model, processing_class, eos_token_ids, args, accelerator, para
     generation_args = (model, processing_class, config, eos_token_ids)
     table = (args.seed, args.noise_table_size)
     if facts.engine == "transformers":
+        generation = TransformersGeneration(
+            *generation_args, args.chat_template_kwargs, compute_dtype=facts.compute_dtype
+        )
+        if facts.theta_dtype == torch.int8:  # es_search_space='qes': an 8-bit model's integers, changed in place
+            return generation, Int8Weights(params, *table)
         targets = None if facts.lowrank_targets is None else target_modules(model, facts.lowrank_targets)
         weights = TransformersWeights(params, *table, storage_device="cpu", targets=targets, rank=args.lowrank_rank)
-        return TransformersGeneration(
-            *generation_args, args.chat_template_kwargs, compute_dtype=facts.compute_dtype
-        ), weights
+        return generation, weights
     local = LocalWeights(params, *table, storage_device="cpu")
     if facts.engine == "vllm-colocate":  # a server runs vLLM in its own environment; the trainer only talks HTTP
         require_vllm()

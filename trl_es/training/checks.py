@@ -15,7 +15,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixi
 from trl.trainer.grpo_config import GRPOConfig
 from trl.trainer.utils import get_config_model_id
 
-from ..es.params import is_quantized
+from ..es.params import is_int8_weight, is_quantized
 from ..generation.vllm_engine import server_urls
 from ..rollout import check_agent_arguments
 from ..util.atomic import is_within
@@ -54,10 +54,14 @@ def check_model_type(model) -> None:
         )
 
 
-def check_quantized(model) -> None:
+def check_quantized(model, search_space: str = "full") -> None:
     """A ValueError for full ES on a quantized model: ES writes every member θ + σ·ε and every update into the
     weights it trains, which quantized storage cannot hold (bitsandbytes' int8 and 4-bit tensors would be corrupted
-    silently). On a quantized base ES trains an adapter, whose weights are floating point, as QLoRA does."""
+    silently). On a quantized base ES trains an adapter, whose weights are floating point, as QLoRA does; or, with
+    es_search_space='qes', the integers of an 8-bit model themselves (`check_int8_model`)."""
+    if search_space == "qes":
+        check_int8_model(model)
+        return
     if is_peft_model(model) or not is_quantized_model(model):
         return
     example = next(name for name, p in model.named_parameters() if is_quantized(p))
@@ -65,8 +69,34 @@ def check_quantized(model) -> None:
         f"the model's weights are quantized ({quantization_name(model)}, e.g. {example!r}): ES writes θ + σ·ε and "
         "its updates into the weights it trains, which quantized storage cannot hold. Train an adapter on the "
         "quantized base: peft_config=LoraConfig(...) (`use_peft: true` in a `trl-es es` recipe), or "
-        "es_adapter_only=True with an adapter directory"
+        "es_adapter_only=True with an adapter directory; or, on a bitsandbytes 8-bit model, its integers with "
+        "es_search_space='qes'"
     )
+
+
+def check_int8_model(model) -> None:
+    """A ValueError unless `model` is what es_search_space='qes' trains: a bitsandbytes 8-bit model (LLM.int8), every
+    quantized weight of it int8 integers (`is_int8_weight`), without an adapter."""
+    if is_peft_model(model):
+        raise ValueError(
+            "es_search_space='qes' trains the int8 weights of the base themselves, not an adapter: drop peft_config "
+            "(`use_peft`) to train the integers, or train the adapter with es_search_space='full'"
+        )
+    quantized = [(name, p) for name, p in model.named_parameters() if is_quantized(p)]
+    if not quantized:
+        raise ValueError(
+            "es_search_space='qes' trains the int8 integers of a bitsandbytes 8-bit model, and this model is not "
+            "quantized: load it with quantization_config=BitsAndBytesConfig(load_in_8bit=True) (`load_in_8bit: true` "
+            "in a recipe), or train its float weights with es_search_space='full'"
+        )
+    other = next((name for name, p in quantized if not is_int8_weight(p)), None)
+    if other is not None:
+        raise ValueError(
+            f"es_search_space='qes' trains the int8 integers of bitsandbytes' 8-bit layers (LLM.int8), and this "
+            f"model is quantized otherwise ({quantization_name(model)}, e.g. {other!r}), which QES cannot step: load "
+            "it with BitsAndBytesConfig(load_in_8bit=True), or train an adapter on it (peft_config) with "
+            "es_search_space='full'"
+        )
 
 
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")

@@ -322,7 +322,9 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
             "`lowrank_rank`, applied in the forward pass (weights never written), the population generated in "
             "batched calls (with use_vllm, colocate mode: one LoRA adapter per member); other parameters stay "
             "fixed. 'merge' (Hyper-ES): CMA-ES over layer-wise DARE-TIES merge coefficients of the task vectors of "
-            "`merge_models`; the model holds the best merge found.",
+            "`merge_models`; the model holds the best merge found. 'qes' (QES): the int8 integers of a bitsandbytes "
+            "8-bit model (load_in_8bit), σ in quantization steps, members and updates rounded to whole steps, with "
+            "error feedback (`qes_feedback_decay`, `qes_feedback_window`).",
         },
     )
     copes_groups: int = field(default=4, metadata={"group": SPACE, "help": "CoPES: the number K of parameter groups."})
@@ -363,6 +365,22 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         default=1.0, metadata={"group": SPACE, "help": "Hyper-ES: initial merge coefficient of every vector."}
     )
     merge_sigma: float = field(default=0.2, metadata={"group": SPACE, "help": "Hyper-ES: CMA-ES's initial step size."})
+    qes_feedback_decay: float = field(
+        default=0.9,
+        metadata={
+            "group": SPACE,
+            "help": "QES: γ of the error feedback Δ = α·(1/(N·σ))·Σ z_i·u_i + γ·e, e = Δ − round(Δ) of the updates "
+            "before, so that steps below half a quantization step add up; in [0, 1), 0: plain rounding.",
+        },
+    )
+    qes_feedback_window: int = field(
+        default=4,
+        metadata={
+            "group": SPACE,
+            "help": "QES: the H most recent updates e is rebuilt from at each update (replayed from their seeds "
+            "from e = 0, never stored); each costs the update one more pass over the members' noise. 0: no feedback.",
+        },
+    )
 
     # Parameters that control the model
     model_init_kwargs: dict[str, Any] | str | None = field(

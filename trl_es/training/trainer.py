@@ -17,11 +17,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixi
 from trl.trainer.utils import get_config_model_id, identity
 
 from ..chains.recorder import ChainRecorder
-from ..es import search_space, select_parameters
+from ..es import search_space
 from ..generation import make_backend
 from ..rewards import RewardFunctions
 from ..rollout import Agents, make_rollout
-from ..util.compat import BaseTrainer, check_trainer_hooks
+from ..util.compat import BaseTrainer, check_trainer_hooks, trainer_takes_quantized
 from ..util.models import is_quantized_model, load_starting_model
 from .checkpoints import SavingMixin
 from .checks import check_arguments, check_eval_dataset, check_optimizer_parameters, check_setup, check_vision
@@ -126,17 +126,18 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         environments = agents and self.agents.environments
         columns = getattr(train_dataset, "column_names", None)
         self.reward_functions.check_signatures(columns, environments, rollout_func is not None)
-        super().__init__(
-            model=model,
-            args=args,
-            data_collator=identity,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            callbacks=callbacks,
-            optimizers=optimizers,
-            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
-        )
+        with trainer_takes_quantized(model, integers=args.es_search_space == "qes"):
+            super().__init__(
+                model=model,
+                args=args,
+                data_collator=identity,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                callbacks=callbacks,
+                optimizers=optimizers,
+                optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            )
         zero_stage = self._set_up_processes()
         self._set_up_es(processing_class, eos_ids, rollout_func, zero_stage)
         self.chain_recorder = ChainRecorder(args, self.es_params, self.space, model_source, peft_config is not None)
@@ -164,20 +165,20 @@ class ESTrainer(ReportingMixin, SavingMixin, DataMixin, BaseTrainer):
         return zero_stage
 
     def _set_up_es(self, processing_class, eos_ids: list[int], rollout_func, zero_stage: int | None) -> None:
-        """What an ES step runs on: the ES parameters θ (float32 under mixed precision), the run's facts (refused
+        """What an ES step runs on: the ES parameters θ the search space selects (float32 under mixed precision; an
+        8-bit model's int8 weights for QES), the run's facts (refused
         here when the set-up cannot honour them), the generation and weights backends, the search space, the rollout
         and the population."""
         args = self.args
         self.model.add_model_tags(self._tag_names)
         self.reward_functions.to(self.accelerator.device)
-        patterns = args.es_parameter_patterns
-        self.es_params = select_parameters(es_candidates(self.model, patterns), patterns)
+        patterns, space = args.es_parameter_patterns, search_space(args.es_search_space)
+        self.es_params = space.parameters(es_candidates(self.model, patterns), patterns)
         keep_theta_in_float32(self.es_params, self.accelerator.mixed_precision)
         self.facts = run_facts(self.model, processing_class, self.es_params, args, self.accelerator, zero_stage)
         check_setup(args, self.facts)
         backend = (self.model, processing_class, eos_ids, args, self.accelerator, self.es_params, self.facts)
         self.generation, self.weights = make_backend(*backend)
-        space = search_space(args.es_search_space)
         self.space = space.build(args, self.model, self.weights, load_starting_model, zero_stage)
         self.rollout = make_rollout(self.generation, self.agents, rollout_func, self)
         if self.agents is not None:

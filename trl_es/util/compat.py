@@ -24,6 +24,9 @@ test suite runs on both ends of it (tests/unit/test_compat.py, .ci/matrix).
 - `tool_suffix_ids(...)`: the tokens a chat template puts after an assistant turn for its tool results, from
   `GRPOTrainer._get_tool_suffix_ids` (private, the same in TRL 1.14.2 and 1.16.0), called on a stand-in holding the
   attributes it reads (`processing_class`, `_tokenizer`, `chat_template`, `chat_template_kwargs`, `_is_vlm`).
+- `trainer_takes_quantized(model, integers)`: transformers' Trainer refuses a quantized model without an adapter
+  (`validate_quantization_for_training`, reading the public `model.is_quantized`); es_search_space='qes' trains the
+  integers of such a model with no gradients, so the flag reads False while Trainer is built.
 - `TRAINER_HOOKS`: the Trainer methods ESTrainer overrides or calls, which transformers may rename in any release.
   `check_trainer_hooks()` verifies them (names and parameters) when ESTrainer is imported, so an unsupported
   transformers fails at once with the supported range instead of training wrongly.
@@ -44,6 +47,7 @@ Optional packages come with the extras of pyproject.toml; `import_extra` imports
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 
@@ -115,6 +119,21 @@ def grpo_default(name: str):
 
     spec = GRPOConfig.__dataclass_fields__[name]
     return spec.default_factory() if spec.default is MISSING else spec.default
+
+
+@contextlib.contextmanager
+def trainer_takes_quantized(model, integers: bool):
+    """Within, transformers' Trainer takes `model` as it is when ES trains its quantized integers (`integers`:
+    es_search_space='qes', no gradients): Trainer's `validate_quantization_for_training` refuses a quantized model
+    without an adapter, reading the public flag `model.is_quantized`, which reads False meanwhile."""
+    flagged = integers and getattr(model, "is_quantized", False)
+    if flagged:
+        model.is_quantized = False
+    try:
+        yield
+    finally:
+        if flagged:
+            model.is_quantized = True
 
 
 def check_trainer_hooks(trainer_class: type = Trainer) -> None:

@@ -16,7 +16,8 @@ class RunFacts:
     vision: bool
     """A vision-language model: its processing class is a processor, its prompts may carry images."""
     quantized: bool
-    """The base's weights are quantized (bitsandbytes, torchao): ES trains an adapter on it."""
+    """The base's weights are quantized (bitsandbytes, torchao): ES trains an adapter on it, or with
+    es_search_space='qes' the integers of an 8-bit base."""
     adapter: bool
     """θ is a PEFT adapter's weights (the model is a PeftModel: `peft_config` or `es_adapter_only`)."""
     fused_experts: tuple[str, ...]
@@ -28,7 +29,8 @@ class RunFacts:
     """With es_search_space='lowrank', the ES parameters its members perturb (linear weights, fused experts,
     routers); None otherwise."""
     theta_dtype: torch.dtype
-    """θ's dtype: float32 under mixed precision (a float32 master over a half-precision model), else the model's."""
+    """θ's dtype: float32 under mixed precision (a float32 master over a half-precision model), int8 for QES (an
+    8-bit model's integers), else the model's."""
     compute_dtype: torch.dtype | None
     """The dtype members are computed in under mixed precision (bfloat16, float16); None: θ's own."""
     half_precision: str | None
