@@ -3,6 +3,7 @@ TRL's GRPOTrainer QLoRA step on the same quantized base; and a few steps of the 
 
     python benchmarks/quantized.py [--bits 8,4] [--population 4] [--prompts 4] [--generations 2] [--tokens 8]
     python benchmarks/quantized.py --learn [--bits 4] [--steps 4]
+    python benchmarks/quantized.py --qes [--population 4] [--prompts 4] [--generations 2] [--tokens 8]
 
 Bases: the fp32 SmolLM2 (`smollm2`), and 8-bit (LLM.int8, float32 elsewhere) and 4-bit NF4 (bfloat16 compute and
 elsewhere) versions of it, each quantized once and saved into the trl-es cache (loading a saved quantized model
@@ -12,6 +13,10 @@ adapter (`LORA`: r=8 on every linear layer; the quantized weights never change),
 Memory: each measurement runs in its own fresh process, the step's peak RSS sampled every 5 ms while `train` runs
 (model loading excluded; GRPOTrainer's two steps, the first of which builds AdamW's state). Prints one table and the
 ratios, measured in this one run.
+
+QES (`--qes`, and two rows of the 8-bit table): ES on the int8 weights of the 8-bit base itself (es_search_space='qes',
+no adapter, no copy of θ) beside inference alone on the same base (one `generate` of the step's prompts ×
+completions), and the ratio of their peaks.
 
 Learning (`--learn`): the demo's task (small sums, `first_integer_reward`, 12 new tokens, 8 greedy prompts per
 step, N=8), held-out greedy accuracy on the 64 test problems before and after `--steps` steps: ES on the LoRA
@@ -35,6 +40,8 @@ from step_memory_time import PeakRSS, prompts, reward  # noqa: E402
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "task_type": "CAUSAL_LM"}
 ES_LORA = {"sigma": 1e-2, "learning_rate": 1e-2}
 """σ and α for the adapter: a LoRA update moves the output less than the same step in the full weights."""
+QES = {"es_search_space": "qes", "sigma": 1.5, "learning_rate": 0.5}
+"""QES on the int8 weights: σ in quantization steps (examples/search_spaces/qes.yaml)."""
 
 
 def quantized_dir(bits: int) -> str:
@@ -77,9 +84,9 @@ def run_es(options):
     from trl_es import ESConfig, ESTrainer
 
     _, dtype = quantization(options.bits) if options.bits else (None, None)
-    lora = options.lora or options.bits
+    lora = (options.lora or options.bits) and not options.qes
     args = ESConfig(
-        **(ES_LORA if lora else {"sigma": 1e-3}),
+        **(QES if options.qes else ES_LORA if lora else {"sigma": 1e-3}),
         output_dir="/tmp/bench-quantized-es",
         population_size=options.population,
         per_device_train_batch_size=options.prompts,
@@ -112,6 +119,25 @@ def run_es(options):
         "weights": weights_mb(trainer.model),
         "trained": trained,
     }
+
+
+def run_infer(options):
+    """Inference alone on the quantized base: one `generate` of the step's prompts × completions."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, dtype = quantization(options.bits)
+    model = AutoModelForCausalLM.from_pretrained(quantized_dir(options.bits), dtype=dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(quantized_dir(options.bits), padding_side="left")
+    texts = [tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+             for row in prompts(options.prompts)]  # fmt: skip
+    inputs = tokenizer(texts, return_tensors="pt", padding=True)
+    with PeakRSS() as rss, torch.no_grad():
+        start = time.perf_counter()
+        model.generate(**inputs, do_sample=True, num_return_sequences=options.generations,
+                       max_new_tokens=options.tokens, min_new_tokens=options.tokens)  # fmt: skip
+        seconds = time.perf_counter() - start
+    return {"seconds": seconds, "peak": rss.peak, "base": rss.base, "weights": weights_mb(model), "trained": 0}
 
 
 def run_grpo(options):
@@ -195,9 +221,10 @@ def run_learn(options):
     return {"before": before, "after": held_out_accuracy(trainer, held_out), "rewards": rewards, "seconds": seconds}
 
 
-def measure(options, which: str, bits: int, lora: bool = False) -> dict:
+def measure(options, which: str, bits: int, lora: bool = False, qes: bool = False) -> dict:
     """`run_<which>` in a fresh process."""
     command = [sys.executable, __file__, "--only", which, f"--bits={bits}", *(["--lora"] if lora else [])]
+    command += ["--qes"] if qes else []
     command += [f"--{k}={getattr(options, k)}" for k in ("population", "prompts", "generations", "tokens", "steps")]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "TRANSFORMERS_VERBOSITY": "error"}
     run = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -206,12 +233,17 @@ def measure(options, which: str, bits: int, lora: bool = False) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+QES_RUNS = {"QES step, int8 weights": ("es", 8, False, True), "inference (generate), 8-bit": ("infer", 8)}
+"""The rows of the QES figure: QES on the 8-bit base, and inference alone on it."""
+
+
 def memory_table(options, bits: list[int]) -> None:
     for b in bits:
         quantized_dir(b)  # prepared outside the measurements
-    runs = {"ES step, full, fp32": ("es", 0, False), "ES step, LoRA, fp32": ("es", 0, True)}
-    for b in bits:
+    runs = {} if options.qes else {"ES step, full, fp32": ("es", 0, False), "ES step, LoRA, fp32": ("es", 0, True)}
+    for b in [] if options.qes else bits:
         runs |= {f"ES step, LoRA, {b}-bit": ("es", b, True), f"GRPOTrainer QLoRA step, {b}-bit": ("grpo", b, True)}
+    runs |= QES_RUNS if 8 in bits else {}
     results = {name: measure(options, *run) for name, run in runs.items()}
     mb = 2**20
     print(
@@ -223,8 +255,13 @@ def memory_table(options, bits: list[int]) -> None:
     for name, r in results.items():
         print(f"{name:34s}{r['weights']:11.0f}{r['trained']:12,d}{r['seconds']:9.1f}{r['peak'] / mb:13.0f}"
               f"{(r['peak'] - r['base']) / mb:15.0f}")  # fmt: skip
-    full, lora = results["ES step, full, fp32"]["peak"], results["ES step, LoRA, fp32"]["peak"]
     print()
+    if 8 in bits:
+        qes, infer = (results[name]["peak"] for name in QES_RUNS)
+        print(f"QES: peak / inference peak on the 8-bit base {qes / infer:.2f}")
+    if options.qes:
+        return
+    full, lora = results["ES step, full, fp32"]["peak"], results["ES step, LoRA, fp32"]["peak"]
     for b in bits:
         es, grpo = results[f"ES step, LoRA, {b}-bit"]["peak"], results[f"GRPOTrainer QLoRA step, {b}-bit"]["peak"]
         print(f"{b}-bit: ES peak / full-ES fp32 peak {es / full:.2f}, / LoRA-ES fp32 peak {es / lora:.2f}, "
@@ -253,14 +290,15 @@ def main():
     parser.add_argument("--tokens", type=int, default=8)
     parser.add_argument("--learn", action="store_true", help="the demo task's learning instead of memory")
     parser.add_argument("--steps", type=int, default=4, help="with --learn: ES steps")
-    parser.add_argument("--only", choices=["es", "grpo", "learn"], help=argparse.SUPPRESS)
+    parser.add_argument("--qes", action="store_true", help="only the QES figure: QES and inference on the 8-bit base")
+    parser.add_argument("--only", choices=["es", "grpo", "learn", "infer"], help=argparse.SUPPRESS)
     parser.add_argument("--lora", action="store_true", help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.only:
         options.bits = int(options.bits)
         print(json.dumps(globals()[f"run_{options.only}"](options)))
         return
-    bits = [int(b) for b in options.bits.split(",")]
+    bits = [8] if options.qes else [int(b) for b in options.bits.split(",")]
     (learning if options.learn else memory_table)(options, bits)
 
 

@@ -30,9 +30,9 @@ API_PAGES = {
     ),
     "search_spaces": (
         "Search spaces and the ES step",
-        "What a member perturbs (`es_search_space`: `FullSpace`, `CoPESSpace`, `LowRankSpace`, `MergeSpace`), the "
-        "search-space protocol and registry, and the algorithm on plain tensors: seeds, the noise table, fitness "
-        "shaping, the update. Guide: [search spaces](../search_spaces.md).",
+        "What a member perturbs (`es_search_space`: `FullSpace`, `CoPESSpace`, `LowRankSpace`, `MergeSpace`, "
+        "`QESSpace`), the search-space protocol and registry, and the algorithm on plain tensors: seeds, the noise "
+        "table, fitness shaping, the update. Guide: [search spaces](../search_spaces.md).",
         ["trl_es.es"],
     ),
     "tasks": (
