@@ -308,8 +308,10 @@ def test_hyper_es_bad_input(tmp_path, tiny_model_dir, prompt_dataset):
 
 @pytest.mark.parametrize(
     "recipe",
-    [pytest.param(name, marks=pytest.mark.slow) if name in ("patterns", "qes") else name
-     for name in ("patterns", "lora", "copes", "lowrank", "merge", "qes")],  # fmt: skip
+    [
+        pytest.param(name, marks=pytest.mark.slow) if name in ("patterns", "qes") else name
+        for name in ("patterns", "lora", "copes", "lowrank", "merge", "qes")
+    ],
 )
 def test_search_space_recipes_run(recipe, tmp_path, tiny_model_dir, merge_parts):
     """Each recipe in examples/search_spaces/ runs through `trl-es es` (on the tiny model, one step)."""

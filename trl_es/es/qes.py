@@ -93,8 +93,8 @@ def update_steps(
     table: NoiseTable, updates: list[dict], decay: float, name: str, numel: int, start: int = 0, end: int | None = None
 ) -> Steps:
     """Yield `(a, b, round(Δ)[a:b])` (int16) of the last of `updates` over flat elements [start, end) of parameter
-    `name` (`feedback`). A step beyond ±255 moves no integer out of any q ∈ [−127, 127] into range, so it is held
-    there."""
+    `name` (`feedback`), clamped to ±255: from any q ∈ [−127, 127] a step of 255 leaves the range as any larger one
+    does, so the clamp changes no integer and keeps the step in int16."""
     for a, b in windows(start, numel if end is None else end):
         step, _ = feedback(table, updates, decay, name, numel, a, b)
         yield a, b, step.clamp_(-2 * INT8_LIMIT - 1, 2 * INT8_LIMIT + 1).to(torch.int16)
@@ -160,7 +160,8 @@ class Int8Weights:
         self._undo(self.member_log)
 
     def restore(self) -> None:
-        """θ as captured, bitwise, whatever happened since (a member, an update, one cut short)."""
+        """θ as captured, bitwise, whatever happened since (a member, an update, either cut short: each window is
+        journalled as soon as it is written)."""
         self._undo(self.member_log)
         self._undo(self.update_log)
 
