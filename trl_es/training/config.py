@@ -104,7 +104,13 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
     )
     sigma: float = field(
         default=1e-3,
-        metadata={"group": STEP, "chain": True, "card": True, "help": "Noise scale σ: member i evaluates θ + σ·ε_i."},
+        metadata={
+            "group": STEP,
+            "chain": True,
+            "card": True,
+            "help": "Noise scale σ: member i evaluates θ + σ·ε_i "
+            "(es_search_space='qes': in quantization steps, at most 16).",
+        },
     )
     sigma_decay: float = field(
         default=1.0,
