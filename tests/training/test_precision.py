@@ -88,6 +88,7 @@ def test_bf16_restores_the_float32_theta_bitwise_after_a_failure(tmp_path, tiny_
     assert_same_weights(trainer.model, before)
 
 
+@pytest.mark.slow  # a further variant: resume and replay (tests/training/test_trainer.py, test_chains.py) in bf16
 def test_a_bf16_run_resumes_and_replays_bitwise(tmp_path, tiny_model_dir, prompt_dataset):
     """A bfloat16 model trained with bf16=True: resumed from its checkpoint it reaches the uninterrupted run's
     float32 weights, and its seed chain replays them from the bfloat16 base."""

@@ -95,6 +95,7 @@ def test_the_seed_chain_replays_onto_a_freshly_quantized_base_bitwise(run, base_
     assert same(integers(rebuilt), integers(trainer.model))
 
 
+@pytest.mark.slow  # a further variant: resume (tests/training/test_trainer.py) on int8 weights
 def test_a_resumed_run_ends_on_the_uninterrupted_runs_integers_bitwise(run, base_dir):
     trainer, folder, _ = run
     args = es_config(folder, save_strategy="steps", save_steps=1, **SETTINGS)

@@ -135,6 +135,7 @@ def test_a_failing_member_restores_the_weights_bitwise(tmp_path, tiny_vlm_dir):
     assert_same_weights(trainer.model, before)
 
 
+@pytest.mark.slow  # a further variant: resume (tests/training/test_trainer.py) with a processor
 def test_resume_from_checkpoint_gives_the_uninterrupted_weights(tmp_path, tiny_vlm_dir):
     full = vlm_trainer(tmp_path / "full", tiny_vlm_dir, max_steps=4)
     full.train()

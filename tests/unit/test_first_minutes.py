@@ -12,6 +12,7 @@ import trl_es  # noqa: F401  (its import installs the filter)
 KERNELS_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
 
 
+@pytest.mark.slow  # launches a Python process (~15 s of imports)
 def test_importing_trl_es_prints_nothing():
     """bitsandbytes (imported by peft, which transformers' Trainer imports when it is installed) printed its
     kernels-community line at the top of `make demo` and of `from trl_es import ESTrainer`."""
@@ -28,6 +29,7 @@ def test_only_the_kernels_notice_of_bitsandbytes_is_silenced(caplog):
     assert [record.getMessage() for record in caplog.records] == ["another bitsandbytes warning"]
 
 
+@pytest.mark.slow  # launches pip
 def test_a_built_wheel_carries_every_file_of_the_package(tmp_path):
     """Until a release exists, trl-es installs from a clone or a wheel built from it: every file under trl_es/ (the
     modules, the sandbox's launcher) must be in that wheel. Built from a copy, so the work tree gets no build/."""
@@ -68,12 +70,21 @@ def test_the_demo_says_once_why_a_step_can_leave_the_weights_unchanged(capsys):
     )
 
 
+@pytest.mark.parametrize("count", ["0", "65"])
+def test_the_demo_refuses_a_held_out_count_it_does_not_have(capsys, count):
+    from trl_es.commands.demo import main
+
+    with pytest.raises(SystemExit):
+        main(["--held-out", count])
+    assert f"--held-out must be 1..64 problems, got {count}" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # the real SmolLM2-135M-Instruct: one short ES step
 def test_the_demo_starts_with_what_it_measures(tmp_path):
     """`make demo` opened with bitsandbytes' kernels-community line and DeepSpeed's "Setting accelerator to CPU" (DeepSpeed,
     which `make demo` installs for the tests, is imported by accelerate in every Trainer; the demo never uses it)."""
-    command = [sys.executable, "-m", "trl_es.cli", "demo", "--steps", "1", "--population", "2", "--output-dir",
-               str(tmp_path / "demo")]  # fmt: skip
+    command = [sys.executable, "-m", "trl_es.cli", "demo", "--steps", "1", "--population", "2", "--held-out", "4",
+               "--output-dir", str(tmp_path / "demo")]  # fmt: skip
     process = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert process.returncode == 0, process.stderr[-3000:]
     assert process.stdout.startswith("held-out accuracy before ES: "), process.stdout[:1000]

@@ -73,7 +73,12 @@ def main(argv=None):
     parser.add_argument("--learning-rate", type=float, default=5e-3, help="ES step size α")
     parser.add_argument("--seed", type=int, default=0, help="the run's seed (noise, sampling)")
     parser.add_argument("--output-dir", default="outputs/demo", help="where the trained model goes")
+    parser.add_argument(
+        "--held-out", type=int, default=64, help="held-out problems scored before and after (the first of 64)"
+    )
     options = parser.parse_args(argv)
+    if not 1 <= options.held_out <= 64:
+        parser.error(f"--held-out must be 1..64 problems, got {options.held_out}")
     logging.getLogger("DeepSpeed").addFilter(not_deepspeeds_cpu_notice)
 
     from .. import ESConfig, ESTrainer
@@ -104,7 +109,7 @@ def main(argv=None):
         callbacks=[PrintReward()],
     )
     trainer.remove_callback(PrinterCallback)  # PrintReward prints the lines that matter
-    held_out = small_sums("test")
+    held_out = small_sums("test").select(range(options.held_out))
     before = held_out_accuracy(trainer, held_out)
     print(f"held-out accuracy before ES: {before:.3f} ({round(before * len(held_out))}/{len(held_out)})", flush=True)
     trainer.train()
