@@ -40,7 +40,7 @@ from step_memory_time import PeakRSS, prompts, reward  # noqa: E402
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": "all-linear", "task_type": "CAUSAL_LM"}
 ES_LORA = {"sigma": 1e-2, "learning_rate": 1e-2}
 """σ and α for the adapter: a LoRA update moves the output less than the same step in the full weights."""
-QES = {"es_search_space": "qes", "sigma": 1.5, "learning_rate": 0.5}
+QES = {"es_search_space": "qes", "sigma": 1.5, "learning_rate": 0.5, "noise_table_size": 1 << 22}
 """QES on the int8 weights: σ in quantization steps (examples/search_spaces/qes.yaml)."""
 
 
