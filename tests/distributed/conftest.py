@@ -13,6 +13,11 @@ from helpers import REPOSITORY, build_tiny_model
 from multiprocess_es import guard_runs, launch
 
 
+QES = {"es_search_space": "qes", "sigma": 6.0, "learning_rate": 2.0, "noise_table_size": 1 << 20}
+"""The user script's QES run: σ in quantization steps (large enough to change the greedy tokens of this small
+model), the smallest noise table."""
+
+
 @pytest.fixture(scope="session")
 def guard_models(tmp_path_factory, tokenizer_dir) -> Path:
     """The regression guard's tiny model and, for Hyper-ES, two 'fine-tuned' versions of it."""
@@ -29,11 +34,12 @@ def model_dir(tmp_path_factory, tokenizer_dir) -> str:
 
 def user_runs(guard_models: Path, model_dir: str, vlm_dir: str) -> list[dict]:
     """The user script's runs of both launches: the logged run, a LoRA adapter on the guard's model loaded in 8
-    bits (its linears are wide enough for bitsandbytes), the logged run computed in bfloat16 (bf16), and the tiny
-    vision-language model on a picture per prompt."""
+    bits (its linears are wide enough for bitsandbytes), QES on that 8-bit model's integers, the logged run computed
+    in bfloat16 (bf16), and the tiny vision-language model on a picture per prompt."""
     return [
         {"name": "logged", "model": model_dir},
         {"name": "qlora", "model": str(guard_models / "model"), "quantized": True},
+        {"name": "qes", "model": str(guard_models / "model"), "qes": True, "overrides": QES},
         {"name": "bf16", "model": model_dir, "overrides": {"bf16": True}},
         {"name": "vlm", "model": vlm_dir, "vlm": True},
     ]

@@ -9,7 +9,8 @@ with `upper_vocab_share` (greedy), writing OUT_DIR/<name>/ — the model (main p
 parameter) and `result-rank{r}.json` (log history, or the error and whether θ was restored). A run's `fault` makes
 process 1 misbehave at step 1: `raise` (its reward function raises), `hang` (it sleeps past `ddp_timeout`), `kill`
 (it kills itself with SIGKILL). A run with `"quantized": true` trains a LoRA adapter on the model loaded in 8 bits
-by bitsandbytes (QLoRA); one with `"vlm": true` trains a vision-language model on the prompts as conversations, each
+by bitsandbytes (QLoRA), one with `"qes": true` the int8 weights of that 8-bit model themselves (QES: its overrides
+name the space); one with `"vlm": true` trains a vision-language model on the prompts as conversations, each
 with a picture of its own shade. A failing run must come last: the processes leave after it.
 """
 
@@ -54,13 +55,19 @@ class StepStartWeights(TrainerCallback):
         self.weights = {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def eight_bits():
+    """bitsandbytes' 8-bit quantization (LLM.int8, CPU)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
 def quantized_adapter() -> dict:
     """ESTrainer's arguments for a LoRA adapter on an 8-bit base (bitsandbytes, CPU)."""
     from peft import LoraConfig
-    from transformers import BitsAndBytesConfig
 
     adapter = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM")
-    return {"quantization_config": BitsAndBytesConfig(load_in_8bit=True), "peft_config": adapter}
+    return {"quantization_config": eight_bits(), "peft_config": adapter}
 
 
 def shaded(prompts: list[str]) -> Dataset:
@@ -69,7 +76,9 @@ def shaded(prompts: list[str]) -> Dataset:
     return Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts], "image": images})
 
 
-def train(model_dir: str, out_dir: str, overrides: dict, fault: str | None = None, quantized=False, vlm=False) -> dict:
+def train(
+    model_dir: str, out_dir: str, overrides: dict, fault: str | None = None, quantized=False, vlm=False, qes=False
+) -> dict:
     """The user script's run into `out_dir`; its result (also written there, per process)."""
     FAULT["fault"] = fault
     prompts = [f"Count to {n}:" for n in range(1, 9)]
@@ -109,6 +118,7 @@ def train(model_dir: str, out_dir: str, overrides: dict, fault: str | None = Non
         eval_dataset=dataset,
         callbacks=[watcher],
         **(quantized_adapter() if quantized else {}),
+        **({"quantization_config": eight_bits()} if qes else {}),
     )
     rank = trainer.accelerator.process_index
     result = {"num_processes": trainer.accelerator.num_processes}
@@ -211,7 +221,8 @@ def main(out_dir: str, runs: list[dict]) -> bool:
             folder = out / run["name"]
             folder.mkdir(parents=True, exist_ok=True)
             overrides, fault, quantized = dict(run.get("overrides", {})), run.get("fault"), run.get("quantized", False)
-            ok = "error" not in train(run["model"], str(folder), overrides, fault, quantized, run.get("vlm", False))
+            vlm, qes = run.get("vlm", False), run.get("qes", False)
+            ok = "error" not in train(run["model"], str(folder), overrides, fault, quantized, vlm, qes)
         gc.collect()  # a finished trainer's vLLM engine shuts down here, not inside the next run
         world = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
         assert world is group, f"after {run}: the process group accelerate made was destroyed"

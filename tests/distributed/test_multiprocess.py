@@ -126,6 +126,19 @@ def test_two_processes_give_the_one_process_adapter_on_an_8bit_base(one_process,
     assert len(rewards) == 3 and len(set(rewards)) > 1  # members differ: the adapter is perturbed and moves
 
 
+def test_two_processes_give_the_one_process_integers_with_qes(one_process, two_processes):
+    """QES on the 8-bit model's int8 weights: each process evaluates its share of the members and applies the same
+    integer update, so every process ends with the 1-process run's integers bitwise."""
+    expected = rank_weights(one_process / "qes", 0)
+    assert results(two_processes / "qes")[0]["num_processes"] == 2
+    # the QLoRA run's base: the same 8-bit model, its integers never changed (names past peft's prefix)
+    start = {n.removeprefix("base_model.model."): p for n, p in rank_weights(one_process / "qlora", 0).items()}
+    int8 = [name for name, p in expected.items() if p.dtype == torch.int8]
+    assert int8 and any(name in start and not torch.equal(expected[name], start[name]) for name in int8)
+    for rank in (0, 1):
+        assert_equal_weights(rank_weights(two_processes / "qes", rank), expected)
+
+
 def test_two_processes_give_the_one_process_weights_with_bf16(one_process, two_processes):
     """Members computed in bfloat16 (bf16=True), θ in float32: 2 processes end with the 1-process run's weights."""
     expected = rank_weights(one_process / "bf16", 0)

@@ -116,3 +116,26 @@ def test_models_qes_cannot_train_are_refused(tmp_path, tiny_model_dir):
     lora = peft.LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")
     with pytest.raises(ValueError, match="not an adapter: drop peft_config"):
         ESTrainer(tiny_model_dir, reward, args=args, train_dataset=PROMPTS, quantization_config=INT8, peft_config=lora)
+
+
+def test_a_member_written_before_the_first_forward_is_what_it_computes_with_and_is_undone(base_dir):
+    """A layer reads its integers from `weight.CB` at its first forward and makes that its data. In a multi-process
+    run CB had become another tensor than the data once training started, so the first forward put the loaded
+    integers back under a member and undoing the member corrupted θ (2 processes then ended on other weights than
+    1). Here CB is made a copy, as it was there."""
+    from trl_es.es.qes import Int8Weights
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=INT8)
+    params = {name: p for name, p in model.named_parameters() if is_int8_weight(p)}
+    for p in params.values():
+        p.CB = p.data.clone()
+    start, ids = integers(model), torch.tensor([[1, 2, 3, 4]])
+    weights = Int8Weights(params, seed=0, table_size=1 << 20)
+    weights.capture()
+    weights.member(seed=7, sign=1, sigma=6.0)
+    member = integers(model)
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert same(integers(model), member) and not same(member, start)  # the forward computed with the member
+    weights.center()
+    assert same(integers(model), start)

@@ -139,9 +139,16 @@ class Int8Weights:
         self.table = None
 
     def capture(self) -> None:
-        """The start of a step: θ is what the tensors hold now, with nothing to undo."""
+        """The start of a step: θ is what the tensors hold now, with nothing to undo. A layer that has not run its
+        first forward yet reads its integers from `weight.CB` then and makes that the weight's data; where CB is
+        another tensor than the data (seen in multi-process runs once training starts: the first forward then put the
+        loaded integers back, undoing a member written before it), CB becomes the data, so that the forward reads the
+        integers QES writes."""
         if self.table is None:
             self.table = NoiseTable(self.seed, self.table_size, next(iter(self.params.values())).device)
+        for p in self.params.values():
+            if getattr(p, "CB", None) is not None and p.CB.data_ptr() != p.data.data_ptr():
+                p.CB = p.data
         self.member_log, self.update_log = [], []
 
     def member(self, seed: int, sign: int, sigma: float) -> None:
