@@ -13,7 +13,7 @@ from helpers import REPOSITORY, build_tiny_model
 from multiprocess_es import guard_runs, launch
 
 
-QES = {"es_search_space": "qes", "sigma": 6.0, "learning_rate": 2.0, "noise_table_size": 1 << 20}
+QES = {"es_search_space": "qes", "sigma": 6.0, "learning_rate": 2.0, "noise_table_size": 1 << 21}
 """The user script's QES run: σ in quantization steps (large enough to change the greedy tokens of this small
 model), the smallest noise table."""
 

@@ -112,7 +112,7 @@ def chain_file(folder, space: dict, peft_config: dict | None = None) -> str:
     base = dict(model="tiny", path=None, revision=None, sha256="0" * 64, es_adapter_only=False,
                 peft_config=peft_config, model_dtype="float32", quantization=None)  # fmt: skip
     header = dict(base=base, dtype="float32", parameters=["model.norm.weight"],
-                  noise={"seed": 0, "table_size": CHUNK}, space=space, settings={})  # fmt: skip
+                  noise={"seed": 0, "table_size": 2 * CHUNK}, space=space, settings={})  # fmt: skip
     os.makedirs(folder, exist_ok=True)
     return Chain(header, [{"step": 0, "update": None}]).save(str(folder))
 

@@ -76,10 +76,10 @@ def test_an_update_that_would_overflow_is_refused_and_the_weights_stay(
 
 
 def test_apply_update_refuses_non_finite_coefficients_and_results():
-    params = {"w": torch.nn.Parameter(torch.zeros(8))}
+    params = {"w": torch.nn.Parameter(torch.zeros(1000))}
     snapshot = ParameterSnapshot(params)
     snapshot.capture()
-    table = NoiseTable(0, 1 << 20)
+    table = NoiseTable(0, 1 << 21)
     with pytest.raises(FloatingPointError, match="coefficient"):
         apply_update(snapshot, table, {1: float("nan")})
     with pytest.raises(FloatingPointError, match="not finite"):

@@ -130,7 +130,7 @@ def test_a_member_written_before_the_first_forward_is_what_it_computes_with_and_
     for p in params.values():
         p.CB = p.data.clone()
     start, ids = integers(model), torch.tensor([[1, 2, 3, 4]])
-    weights = Int8Weights(params, seed=0, table_size=1 << 20)
+    weights = Int8Weights(params, seed=0, table_size=1 << 21)
     weights.capture()
     weights.member(seed=7, sign=1, sigma=6.0)
     member = integers(model)

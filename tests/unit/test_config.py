@@ -4,6 +4,7 @@ ported GRPOConfig keeps what its user set."""
 import warnings
 
 import pytest
+import torch
 from trl import GRPOConfig
 
 from trl_es import ESConfig
@@ -43,6 +44,20 @@ from trl_es import ESConfig
 def test_bad_values_raise_naming_the_field(tmp_path, field, value):
     with pytest.raises(ValueError, match=f"ESConfig.{field}="):
         ESConfig(str(tmp_path), **{field: value})
+
+
+def test_a_noise_table_of_one_window_is_refused_as_every_member_would_read_the_same_noise(tmp_path):
+    """A window starts at an offset in [0, size − window]: a table of one window (2**20 values, accepted before) gave
+    every member of every step the same noise, so members never differed and ES learned nothing, silently."""
+    from trl_es.es.noise import CHUNK, MIN_TABLE_SIZE, NoiseTable, member_noise
+
+    with pytest.raises(ValueError, match="every member would read the same noise"):
+        ESConfig(str(tmp_path), noise_table_size=CHUNK)
+    with pytest.raises(ValueError, match="every member would read the same noise"):
+        NoiseTable(0, CHUNK)
+    table = NoiseTable(0, MIN_TABLE_SIZE)
+    (_, _, first), (_, _, second) = (next(member_noise(table, seed, "w", 1000)) for seed in (1, 2))
+    assert not torch.equal(first, second)
 
 
 def test_antithetic_needs_an_even_population(tmp_path):

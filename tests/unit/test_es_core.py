@@ -69,8 +69,8 @@ def test_noise_of_a_shard_is_the_slice_of_the_full_noise(table):
 
 
 def test_noise_table_is_the_same_for_the_same_seed():
-    assert torch.equal(NoiseTable(3, CHUNK).values, NoiseTable(3, CHUNK).values)
-    assert not torch.equal(NoiseTable(3, CHUNK).values, NoiseTable(4, CHUNK).values)
+    assert torch.equal(NoiseTable(3, 2 * CHUNK).values, NoiseTable(3, 2 * CHUNK).values)
+    assert not torch.equal(NoiseTable(3, 2 * CHUNK).values, NoiseTable(4, 2 * CHUNK).values)
     with pytest.raises(ValueError, match="at least"):
         NoiseTable(0, 10)
 

@@ -12,7 +12,7 @@ from trl_es.es.qes import Int8Weights, add_within, feedback, integer_noise, subt
 
 @pytest.fixture(scope="module")
 def table():
-    return NoiseTable(seed=0, size=CHUNK)
+    return NoiseTable(seed=0, size=2 * CHUNK)
 
 
 def int8_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -41,7 +41,7 @@ def test_add_within_leaves_integers_that_would_leave_the_range_and_subtract_exce
 def test_members_and_an_update_are_undone_bitwise_without_a_copy(table):
     tensors = int8_tensors()
     start = {name: q.clone() for name, q in tensors.items()}
-    weights = Int8Weights(tensors, seed=0, table_size=CHUNK, table=table)
+    weights = Int8Weights(tensors, seed=0, table_size=2 * CHUNK, table=table)
     weights.capture()
     weights.member(11, 1, 4.0)
     assert not torch.equal(tensors["large"], start["large"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import math
 
-from ..es.noise import CHUNK, MAX_TABLE_SIZE
+from ..es.noise import MAX_TABLE_SIZE, MIN_TABLE_SIZE
 from ..es.space import SEARCH_SPACES, names_problem
 
 
@@ -60,8 +60,8 @@ def check_content(data: dict, path: str) -> None:
     require(isinstance(noise, dict) and _is_int(noise.get("seed")), "header.noise.seed must be an integer")
     size = noise.get("table_size")
     require(
-        _is_int(size) and CHUNK <= size <= MAX_TABLE_SIZE,
-        f"header.noise.table_size must be in {CHUNK}..{MAX_TABLE_SIZE}",
+        _is_int(size) and MIN_TABLE_SIZE <= size <= MAX_TABLE_SIZE,
+        f"header.noise.table_size must be in {MIN_TABLE_SIZE}..{MAX_TABLE_SIZE}",
     )
     require(isinstance(space, dict), "header.space is missing")
     decay = space.get("anchor_decay", 0.0)

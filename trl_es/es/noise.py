@@ -26,6 +26,9 @@ from .seeds import noise_table_seed, window_seed
 
 CHUNK = 1 << 20
 """Elements per noise window. Windows of one parameter start at independent offsets."""
+MIN_TABLE_SIZE = 2 * CHUNK
+"""The smallest noise table: a window starts at an offset drawn from [0, size − CHUNK], so a table of one window
+gives every member the same noise (all members equal, no spread, ES silently learns nothing)."""
 MAX_TABLE_SIZE = 1 << 31
 """The largest noise table a run, a seed chain or the vLLM worker may ask for (8 GiB of float32)."""
 
@@ -34,8 +37,11 @@ class NoiseTable:
     """`size` i.i.d. N(0, 1) float32 values drawn from `seed`; the same on every process and device."""
 
     def __init__(self, seed: int, size: int, device: torch.device | str = "cpu"):
-        if size < CHUNK:
-            raise ValueError(f"noise table size must be at least {CHUNK} (one chunk), got {size}")
+        if size < MIN_TABLE_SIZE:
+            raise ValueError(
+                f"noise table size must be at least {MIN_TABLE_SIZE} (two windows: with one, every member would read "
+                f"the same noise), got {size}"
+            )
         generator = torch.Generator().manual_seed(noise_table_seed(seed))
         self.values = torch.randn(size, generator=generator, dtype=torch.float32).to(device)
 

@@ -8,7 +8,7 @@ import json
 import math
 import os
 
-from ..es.noise import CHUNK, MAX_TABLE_SIZE
+from ..es.noise import MAX_TABLE_SIZE, MIN_TABLE_SIZE
 
 
 MAX_COEFFICIENTS = 1 << 16
@@ -39,7 +39,7 @@ def _is_coefficients(value) -> bool:
 
 FIELDS = {
     "seed": _is_int,
-    "noise_table_size": lambda v: _is_int(v) and CHUNK <= v <= MAX_TABLE_SIZE,
+    "noise_table_size": lambda v: _is_int(v) and MIN_TABLE_SIZE <= v <= MAX_TABLE_SIZE,
     "dtype": lambda v: v in ("float32", "bfloat16", "float16"),
     "names": lambda v: v is None or (_is_names(v) and len(v) > 0),
     "path": lambda v: v is None or (isinstance(v, str) and os.path.isdir(v)),

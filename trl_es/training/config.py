@@ -18,7 +18,7 @@ from trl.trainer.grpo_config import GRPOConfig
 
 from ..es import SEARCH_SPACES
 from ..es.fitness import SCALE_REWARDS, SHAPINGS
-from ..es.noise import CHUNK, MAX_TABLE_SIZE
+from ..es.noise import CHUNK, MAX_TABLE_SIZE, MIN_TABLE_SIZE
 from ..generation.vllm_engine import ENGINE_DEFAULTS
 from ..util.compat import grpo_default
 from .grpo_fields import check_grpo_only_fields, grpo_only_fields_class
@@ -293,7 +293,8 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         metadata={
             "group": STEP,
             "help": "Number of float32 N(0,1) values in the shared noise table (Salimans et al. 2017) from which "
-            f"every member's noise is cut, in windows of {CHUNK} elements. 2**24 costs 64 MiB.",
+            f"every member's noise is cut, in windows of {CHUNK} elements starting anywhere in it: at least two windows "
+            f"({MIN_TABLE_SIZE}). 2**24 costs 64 MiB.",
         },
     )
 
@@ -769,10 +770,11 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         if self.es_baseline not in BASELINES:
             refuse("es_baseline", f"choose one of {BASELINES}")
         self._check_fitness()
-        if not CHUNK <= self.noise_table_size <= MAX_TABLE_SIZE:
+        if not MIN_TABLE_SIZE <= self.noise_table_size <= MAX_TABLE_SIZE:
             refuse(
                 "noise_table_size",
-                f"it must hold at least one noise window ({CHUNK} values), at most {MAX_TABLE_SIZE}",
+                f"it must hold at least two noise windows ({MIN_TABLE_SIZE} values: with one, every member would read the "
+                f"same noise), at most {MAX_TABLE_SIZE}",
             )
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             refuse("weight_decay", "must be a finite number ≥ 0")
