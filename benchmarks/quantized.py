@@ -3,6 +3,7 @@ TRL's GRPOTrainer QLoRA step on the same quantized base; and a few steps of the 
 
     python benchmarks/quantized.py [--bits 8,4] [--population 4] [--prompts 4] [--generations 2] [--tokens 8]
     python benchmarks/quantized.py --learn [--bits 4] [--steps 4]
+    python benchmarks/quantized.py --learn --qes [--steps 4]
     python benchmarks/quantized.py --qes [--population 4] [--prompts 4] [--generations 2] [--tokens 8]
 
 Bases: the fp32 SmolLM2 (`smollm2`), and 8-bit (LLM.int8, float32 elsewhere) and 4-bit NF4 (bfloat16 compute and
@@ -191,8 +192,12 @@ def run_learn(options):
     from trl_es.tasks import first_integer_reward, small_sums
 
     _, dtype = quantization(options.bits) if options.bits else (None, None)
+    lora = options.bits and not options.qes
+    settings = (
+        QES if options.qes else ES_LORA if lora else {"sigma": 5e-3, "learning_rate": 5e-3}
+    )  # the demo's on fp32
     args = ESConfig(
-        **(ES_LORA if options.bits else {"sigma": 5e-3, "learning_rate": 5e-3}),  # the demo's σ, α on fp32
+        **settings,
         output_dir="/tmp/bench-quantized-learn",
         population_size=8,
         per_device_train_batch_size=8,
@@ -210,7 +215,7 @@ def run_learn(options):
         first_integer_reward,
         args=args,
         train_dataset=small_sums("train"),
-        peft_config=LoraConfig(**LORA) if options.bits else None,
+        peft_config=LoraConfig(**LORA) if lora else None,
     )
     held_out = small_sums("test")
     before = held_out_accuracy(trainer, held_out)
@@ -271,12 +276,15 @@ def memory_table(options, bits: list[int]) -> None:
 def learning(options, bits: list[int]) -> None:
     for b in bits:
         quantized_dir(b)
-    results = {b: measure(options, "learn", b) for b in [0, *bits]}
+    if options.qes:  # QES beside LoRA ES on the same 8-bit base
+        runs = {"LoRA ES, 8-bit base": ("learn", 8), "QES, 8-bit integers": ("learn", 8, False, True)}
+    else:
+        runs = {"full ES, fp32 (the demo)": ("learn", 0)} | {f"LoRA ES, {b}-bit base": ("learn", b) for b in bits}
+    results = {name: measure(options, *run) for name, run in runs.items()}
     print(f"Small sums, {options.steps} ES steps (N=8, 8 greedy prompts per step, 12 new tokens), held-out greedy "
           "accuracy on 64 problems\n")  # fmt: skip
     print(f"{'':28s}{'before':>8s}{'after':>8s}{'s/step':>9s}  mean member reward per step")
-    for b, r in results.items():
-        name = "full ES, fp32 (the demo)" if not b else f"LoRA ES, {b}-bit base"
+    for name, r in results.items():
         per_step = " ".join(f"{x:.3f}" for x in r["rewards"])
         print(f"{name:28s}{r['before']:8.3f}{r['after']:8.3f}{r['seconds'] / options.steps:9.1f}  {per_step}")
 
