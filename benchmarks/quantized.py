@@ -79,7 +79,8 @@ def weights_mb(model) -> float:
     return sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
 
 
-def run_es(options):
+def es_trainer(options):
+    """The ESTrainer of a `run_es` measurement (LoRA on a quantized base, full ES, or QES with `--qes`)."""
     from peft import LoraConfig
 
     from trl_es import ESConfig, ESTrainer
@@ -101,13 +102,17 @@ def run_es(options):
         disable_tqdm=True,
         common_generation_seed=False,  # members sample differently, so rewards spread
     )
-    trainer = ESTrainer(
+    return ESTrainer(
         quantized_dir(options.bits),
         reward,
         args=args,
         train_dataset=prompts(options.prompts),
         peft_config=LoraConfig(**LORA) if lora else None,
     )
+
+
+def run_es(options):
+    trainer = es_trainer(options)
     with PeakRSS() as rss:
         start = time.perf_counter()
         trainer.train()
@@ -123,22 +128,19 @@ def run_es(options):
 
 
 def run_infer(options):
-    """Inference alone on the quantized base: one `generate` of the step's prompts × completions."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Inference alone on the quantized base, in the same process set-up as `run_es` (the QES trainer built, its
+    model loaded): one generate call of the step's prompts × completions with the unperturbed weights."""
+    from trl_es.es.seeds import completion_seeds
 
-    _, dtype = quantization(options.bits)
-    model = AutoModelForCausalLM.from_pretrained(quantized_dir(options.bits), dtype=dtype).eval()
-    tokenizer = AutoTokenizer.from_pretrained(quantized_dir(options.bits), padding_side="left")
-    texts = [tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
-             for row in prompts(options.prompts)]  # fmt: skip
-    inputs = tokenizer(texts, return_tensors="pt", padding=True)
-    with PeakRSS() as rss, torch.no_grad():
+    trainer = es_trainer(options)
+    generation, rows = trainer.generation, list(prompts(options.prompts)["prompt"])
+    prompt_ids = generation.tokenize(rows)
+    with PeakRSS() as rss:
         start = time.perf_counter()
-        model.generate(**inputs, do_sample=True, num_return_sequences=options.generations,
-                       max_new_tokens=options.tokens, min_new_tokens=options.tokens)  # fmt: skip
+        seeds = completion_seeds(0, len(rows), options.generations)
+        generation.generate(rows, prompt_ids, options.generations, seeds)
         seconds = time.perf_counter() - start
-    return {"seconds": seconds, "peak": rss.peak, "base": rss.base, "weights": weights_mb(model), "trained": 0}
+    return {"seconds": seconds, "peak": rss.peak, "base": rss.base, "weights": weights_mb(trainer.model), "trained": 0}
 
 
 def run_grpo(options):
@@ -193,9 +195,8 @@ def run_learn(options):
 
     _, dtype = quantization(options.bits) if options.bits else (None, None)
     lora = options.bits and not options.qes
-    settings = (
-        QES if options.qes else ES_LORA if lora else {"sigma": 5e-3, "learning_rate": 5e-3}
-    )  # the demo's on fp32
+    fp32 = {"sigma": 5e-3, "learning_rate": 5e-3}  # the demo's σ and α
+    settings = QES if options.qes else ES_LORA if lora else fp32
     args = ESConfig(
         **settings,
         output_dir="/tmp/bench-quantized-learn",
@@ -238,7 +239,7 @@ def measure(options, which: str, bits: int, lora: bool = False, qes: bool = Fals
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-QES_RUNS = {"QES step, int8 weights": ("es", 8, False, True), "inference (generate), 8-bit": ("infer", 8)}
+QES_RUNS = {"QES step, int8 weights": ("es", 8, False, True), "inference (generate), 8-bit": ("infer", 8, False, True)}
 """The rows of the QES figure: QES on the 8-bit base, and inference alone on it."""
 
 
