@@ -44,9 +44,9 @@ logger = logging.get_logger(__name__)
 def prepare_model(model, args, processing_class=None, peft_config=None, quantization_config=None):
     """(model, processing class, EOS ids) for ESTrainer's `model` argument as GRPOTrainer takes it: an id or path
     (loaded with `args.model_init_kwargs` and `quantization_config`), a PreTrainedModel or a PeftModel; `peft_config`
-    adds a new adapter. A quantized model must carry the adapter ES trains, or be 8-bit for QES (`check_quantized`). The processing class
-    defaults to the model's (a vision-language model's processor, else its tokenizer). Dropout off, pad token set
-    (the EOS when the tokenizer has none)."""
+    adds a new adapter. A quantized model must carry the adapter ES trains, or be 8-bit for QES (`check_quantized`).
+    The processing class defaults to the model's (a vision-language model's processor, else its tokenizer). Dropout
+    off, pad token set (the EOS when the tokenizer has none)."""
     model_path = resolve_model(model) if isinstance(model, str) else None
     if isinstance(model, str):
         init_kwargs = {"trust_remote_code": args.trust_remote_code, **(args.model_init_kwargs or {})}
