@@ -124,3 +124,9 @@ def test_qes_refuses_zero3():
 
     with pytest.raises(ValueError, match="qes.*ZeRO-2"):
         QESSpace.check_setup(None, zero_stage=3)
+
+
+def test_qes_fields_in_a_run_of_another_space_are_refused_not_ignored(tmp_path):
+    with pytest.raises(ValueError, match="ESConfig.qes_feedback_window=2 .*only es_search_space='qes' reads it"):
+        ESConfig(str(tmp_path), es_search_space="full", qes_feedback_window=2)
+    ESConfig(str(tmp_path), es_search_space="full", qes_feedback_window=4)  # the default: nothing to ignore

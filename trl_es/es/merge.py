@@ -29,7 +29,7 @@ import torch
 
 from .params import layer_index
 from .seeds import merge_search_seed, merge_seed
-from .space import SearchSpace, UpdateRule, one_member, register
+from .space import SearchSpace, UpdateRule, one_member, read_state, register
 from .weights import TrainerWeights, weights_hash
 
 
@@ -364,17 +364,10 @@ class MergeSpace(SearchSpace):
 
     def load_state(self, folder: str) -> None:
         path = os.path.join(folder, self.STATE_FILE)
-        if not os.path.isfile(path):
-            if os.path.isfile(os.path.join(folder, self.PICKLED_STATE_FILE)):
-                raise ValueError(
-                    f"{folder} holds the Hyper-ES search as {self.PICKLED_STATE_FILE}, a pickle written by an older "
-                    "trl-es, which is not loaded (unpickling can run any code): restart the search from the "
-                    "checkpoint's weights with resume_from_checkpoint=None and model=<the checkpoint>"
-                )
-            raise FileNotFoundError(f"{path} is missing: this checkpoint was not saved by a Hyper-ES run")
-        try:
-            with open(path, encoding="utf-8") as file:
-                state = json.load(file)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"{path} is not a readable Hyper-ES search state: {error}") from error
-        self.search.load_state_dict(state)
+        if not os.path.isfile(path) and os.path.isfile(os.path.join(folder, self.PICKLED_STATE_FILE)):
+            raise ValueError(
+                f"{folder} holds the Hyper-ES search as {self.PICKLED_STATE_FILE}, a pickle written by an older "
+                "trl-es, which is not loaded (unpickling can run any code): restart the search from the "
+                "checkpoint's weights with resume_from_checkpoint=None and model=<the checkpoint>"
+            )
+        self.search.load_state_dict(read_state(path, "Hyper-ES search"))

@@ -32,7 +32,7 @@ import torch
 from .noise import CHUNK, NoiseTable, member_noise
 from .params import int8_parameters
 from .seeds import rounding_seed
-from .space import Direction, SearchSpace, UpdateRule, directions, one_member, register
+from .space import Direction, SearchSpace, UpdateRule, directions, one_member, read_state, register
 from .update import update_coefficients
 from .weights import weights_hash
 
@@ -216,6 +216,7 @@ class QESSpace(SearchSpace):
 
     name = "qes"
     backend = Int8Weights
+    fields = ("qes_feedback_decay", "qes_feedback_window")
     STATE_FILE = "qes_updates.json"
     STATE_FORMAT = "trl-es-qes-updates/1"
 
@@ -333,13 +334,7 @@ class QESSpace(SearchSpace):
 
     def load_state(self, folder: str) -> None:
         path = os.path.join(folder, self.STATE_FILE)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} is missing: this checkpoint was not saved by a QES run")
-        try:
-            with open(path, encoding="utf-8") as file:
-                state = json.load(file)
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"{path} is not a readable QES state: {error}") from error
+        state = read_state(path, "QES")
         updates = state.get("updates") if isinstance(state, dict) else None
         if not (isinstance(updates, list) and len(updates) <= self.window and all(map(is_record, updates))) or (
             state.get("format") != self.STATE_FORMAT

@@ -22,7 +22,9 @@ Registered here: `FullSpace` (full ES), `CoPESSpace` (cooperative subspaces), `L
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
@@ -192,6 +194,9 @@ class SearchSpace:
     """The `es_search_space` value that selects this space, and the `kind` of its seed chains."""
     backend: ClassVar[type] = WeightsBackend
     """The weights-backend protocol this space needs (`trl_es.es.weights`)."""
+    fields: ClassVar[tuple[str, ...]] = ()
+    """The ESConfig fields only this space reads: ESConfig refuses a value other than the default in a run of another
+    space, where it would be silently ignored."""
     rule: UpdateRule
     """The update rule `ask` and `tell` apply: the run's (`UpdateRule.from_config`), given to the space when it is
     made (`__init__`)."""
@@ -311,6 +316,18 @@ class SearchSpace:
 
     def load_state(self, folder: str) -> None:
         """Read what `save_state` wrote."""
+
+
+def read_state(path: str, what: str):
+    """The JSON a search space's `save_state` wrote at `path` (`what`: whose state it is, for the errors): a
+    FileNotFoundError when it is missing (the checkpoint is not of such a run), a ValueError when it cannot be read."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing: this checkpoint was not saved by a {what} run")
+    try:
+        with open(path, encoding="utf-8") as file:
+            return json.load(file)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not a readable {what} state: {error}") from error
 
 
 def names_problem(field: str, names, parameters: list[str]) -> str | None:

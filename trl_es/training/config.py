@@ -821,6 +821,12 @@ class ESConfig(GRPOOnlyFields, TrainingArguments):
         if self.es_search_space not in SEARCH_SPACES:
             self._refuse("es_search_space", f"choose one of {tuple(SEARCH_SPACES)}")
         SEARCH_SPACES[self.es_search_space].check_config(self, self._refuse)  # each space's own refusals
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, space in SEARCH_SPACES.items():
+            for owned in space.fields if name != self.es_search_space else ():
+                if getattr(self, owned) != defaults[owned]:
+                    self._refuse(owned, f"only es_search_space={name!r} reads it, and this run's is "
+                                 f"{self.es_search_space!r}")  # fmt: skip
 
     def _check_vllm(self):
         refuse = self._refuse
